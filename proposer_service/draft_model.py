@@ -1,0 +1,139 @@
+"""Drafting with a small causal LM over its own paged KV cache.
+
+Per sequence the draft cache holds the committed tokens plus the draft tokens fed last round; each
+request rolls it back to the longest prefix still valid (rejected drafts are dropped), then all
+sequences are drafted together: one forward per draft position for the whole batch, the first one also
+catching each sequence up on its newly committed tokens (a prefill on first contact).
+"""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from proposer_service.drafter import Draft, DraftRequest, SequenceHistory, SparseProbs
+from shared.kv.block_manager import BlockManager
+from shared.model.runner import ForwardItem, ModelRunner
+from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
+
+# Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
+DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+
+
+@dataclass
+class _SeqState:
+    generator: torch.Generator
+    cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache, in order
+
+
+class DraftModelDrafter:
+    def __init__(self, runner: ModelRunner, block_manager: BlockManager, top_n: int = 64) -> None:
+        self.runner = runner
+        self.blocks = block_manager
+        self.top_n = top_n  # sampled drafts come from the top_n tokens, and exactly that distribution is sent
+        self.history = SequenceHistory()
+        self.states: dict[str, _SeqState] = {}
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.history.release(seq_id)
+            self.states.pop(seq_id, None)
+            self.blocks.free(seq_id)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts: dict[str, Draft] = {}
+        active: list[tuple[DraftRequest, list[int]]] = []
+        in_request = {req.seq_id for req in requests}
+        for req in requests:
+            tokens = self.history.apply(req)
+            if tokens is None:
+                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
+            elif req.k <= 0 or not self._prepare(req, tokens, in_request):
+                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
+            else:
+                active.append((req, tokens))
+        for draft in self._draft(active):
+            drafts[draft.seq_id] = draft
+        return [drafts[req.seq_id] for req in requests]
+
+    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
+        """Roll the cache back to its longest valid prefix and reserve room for this round."""
+        state = self.states.get(req.seq_id)
+        if state is None:
+            state = self.states[req.seq_id] = _SeqState(_generator(req.params))
+        valid = 0
+        for cached, committed in zip(state.cached, tokens, strict=False):
+            if cached != committed:
+                break
+            valid += 1
+        valid = min(valid, len(tokens) - 1)  # the last committed token is always fed: its logits give d_1
+        del state.cached[valid:]
+        if self.blocks.has_seq(req.seq_id):
+            self.blocks.rollback(req.seq_id, min(valid, self.blocks.num_tokens(req.seq_id)))
+        needed = len(tokens) + req.k - 1  # catch-up tokens plus d_1..d_{k-1} are written
+        if not self._reserve(req.seq_id, needed, keep=in_request):
+            self._drop_cache(req.seq_id)  # no room even after evicting idle sequences: no draft this round
+            return False
+        return True
+
+    def _reserve(self, seq_id: str, num_tokens: int, keep: set[str]) -> bool:
+        while not self.blocks.can_reserve(seq_id, num_tokens):
+            victims = [s for s in self.states if s not in keep and self.blocks.has_seq(s)]
+            if not victims:
+                return False
+            self._drop_cache(victims[0])  # oldest first: dicts keep insertion order
+        self.runner.cache.copy_blocks(self.blocks.reserve(seq_id, num_tokens))
+        return True
+
+    def _drop_cache(self, seq_id: str) -> None:
+        self.blocks.free(seq_id)
+        self.states[seq_id].cached.clear()
+
+    def _draft(self, active: list[tuple[DraftRequest, list[int]]]) -> list[Draft]:
+        if not active:
+            return []
+        reqs = [req for req, _ in active]
+        states = [self.states[req.seq_id] for req in reqs]
+        feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
+        out_ids: list[list[int]] = [[] for _ in reqs]
+        out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
+        for step in range(max(req.k for req in reqs)):
+            rows = [i for i, req in enumerate(reqs) if req.k > step]
+            items = []
+            for i in rows:
+                items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), feeds[i], 1))
+                states[i].cached.extend(feeds[i])
+            logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
+            for row, (token, support) in zip(rows, self._sample(logits, [reqs[i] for i in rows], states, rows)):
+                out_ids[row].append(token)
+                if support is not None:
+                    out_probs[row].append(support)
+                feeds[row] = [token]
+        return [
+            Draft(req.seq_id, req.committed_len, ids, _stack(probs) if probs else None)
+            for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
+        ]
+
+    def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int]):
+        params = [req.params for req in reqs]
+        probs = logits_to_probs(logits, **params_to_tensors(params, logits.device))  # [rows, vocab]
+        for row_probs, p, row in zip(probs, params, rows, strict=True):
+            if p.is_greedy:
+                yield int(row_probs.argmax()), None
+                continue
+            # Truncate to the top_n tokens and sample from exactly that renormalised distribution.
+            top_probs, top_ids = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
+            top_probs = top_probs / top_probs.sum()
+            choice = torch.multinomial(top_probs, 1, generator=states[row].generator)
+            yield int(top_ids[choice]), (top_ids, top_probs)
+
+
+def _stack(supports: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
+    return SparseProbs(torch.stack([ids for ids, _ in supports]), torch.stack([p for _, p in supports]))
+
+
+def _generator(params: SamplingParams) -> torch.Generator:
+    seed = secrets.randbits(63) if params.seed is None else (params.seed + DRAFT_SEED_OFFSET) % (2**63)
+    return torch.Generator().manual_seed(seed)

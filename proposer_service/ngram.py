@@ -1,0 +1,61 @@
+"""Prompt-lookup drafting: propose what followed the latest earlier occurrence of the last n tokens.
+
+No model: it pays off when the output quotes its input (code edits, summaries with citations). An index
+from each n-gram to where it last ended is kept per sequence and extended as tokens are committed, so a
+lookup costs O(n) rather than a scan of the sequence.
+"""
+
+from __future__ import annotations
+
+from proposer_service.drafter import Draft, DraftRequest, SequenceHistory
+
+
+class NgramDrafter:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        self.history = SequenceHistory()
+        # per sequence: n -> {ngram: end of its latest occurrence}, covering ends < indexed_len
+        self.index: dict[str, dict[int, dict[tuple[int, ...], int]]] = {}
+        self.indexed_len: dict[str, int] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        return [self._propose_one(req) for req in requests]
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.history.release(seq_id)
+            self.index.pop(seq_id, None)
+            self.indexed_len.pop(seq_id, None)
+
+    def _propose_one(self, req: DraftRequest) -> Draft:
+        tokens = self.history.apply(req)
+        if tokens is None:
+            return Draft(req.seq_id, req.committed_len, [], needs_resync=True)
+        self._extend_index(req.seq_id, tokens, rewritten_from=req.committed_len - len(req.new_token_ids))
+        return Draft(req.seq_id, req.committed_len, self.lookup(req.seq_id, tokens, req.k))
+
+    def lookup(self, seq_id: str, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        index = self.index[seq_id]
+        for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
+            end = index[n].get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end : end + k]
+        return []
+
+    def _extend_index(self, seq_id: str, tokens: list[int], rewritten_from: int) -> None:
+        # The suffix itself (ending at len(tokens)) is left out so a lookup finds an earlier occurrence.
+        start = self.indexed_len.get(seq_id, 0)
+        if seq_id not in self.index or rewritten_from < start:  # new, or a resync replaced indexed tokens
+            self.index[seq_id] = {n: {} for n in range(self.min_ngram, self.max_ngram + 1)}
+            start = 0
+        index = self.index[seq_id]
+        for end in range(max(start, 1), len(tokens)):
+            for n, table in index.items():
+                if end >= n:
+                    table[tuple(tokens[end - n : end])] = end
+        self.indexed_len[seq_id] = len(tokens)

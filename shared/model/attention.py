@@ -1,0 +1,173 @@
+"""Paged attention: per-step metadata (built once, passed explicitly) and two backends.
+
+Layout: the step's new tokens of all sequences are flattened into T rows. For attention each
+sequence's queries are left-padded to `max_query_len`, so query slot j of sequence b sits at position
+`context_len[b] - max_query_len + j`. That single convention serves prefill chunks, `k + 1` scoring
+queries and plain decode in one call, and matches flash-attn's bottom-right causal alignment.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # flash-attn is GPU-only and optional; the torch backend is the reference everywhere.
+    from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
+except ImportError:  # pragma: no cover - depends on the machine
+    flash_attn_with_kvcache = None
+
+
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's part of a forward: `num_new` tokens written after `num_cached` cached ones."""
+
+    block_table: list[int]
+    num_cached: int
+    num_new: int
+
+
+@dataclass(frozen=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
+    positions: torch.Tensor  # [T] int64
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with block 0, masked out)
+    context_lens: torch.Tensor  # [B] int32: cached + new tokens per sequence
+    query_lens: list[int]  # new tokens per sequence
+    max_query_len: int
+    query_pad_index: torch.Tensor | None  # [T] int64: row of each token in the padded [B * max_query_len]
+    attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] bool, True = attend
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+
+def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    slots: list[int] = []
+    positions: list[int] = []
+    for span in spans:
+        for pos in range(span.num_cached, span.num_cached + span.num_new):
+            slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
+            positions.append(pos)
+    query_lens = [s.num_new for s in spans]
+    max_query_len = max(query_lens)
+    max_blocks = max(len(s.block_table) for s in spans)
+    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans], dtype=torch.int64)
+    context_lens = torch.tensor([s.num_cached + s.num_new for s in spans], dtype=torch.int32)
+
+    pad_index = None
+    if len(spans) > 1 or max_query_len != len(positions):
+        pad_index = torch.tensor(
+            [b * max_query_len + (max_query_len - n) + j for b, n in enumerate(query_lens) for j in range(n)],
+            dtype=torch.int64,
+        )
+    # Query slot j of sequence b is at position context_len - max_query_len + j; it may attend to keys at
+    # positions <= its own. Padding slots (negative positions) attend to key 0 only so no row is empty (NaN).
+    query_pos = context_lens.unsqueeze(1) - max_query_len + torch.arange(max_query_len).unsqueeze(0)  # [B, Qmax]
+    key_pos = torch.arange(max_blocks * block_size)  # [L]
+    mask = key_pos.view(1, 1, -1) <= query_pos.clamp(min=0).unsqueeze(-1)  # [B, Qmax, L]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        block_tables=tables.to(device),
+        context_lens=context_lens.to(device),
+        query_lens=query_lens,
+        max_query_len=max_query_len,
+        query_pad_index=None if pad_index is None else pad_index.to(device),
+        attn_mask=mask.unsqueeze(1).to(device),
+    )
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):
+    """k_cache [num_blocks, block_size, kv_heads, head_dim]; k [T, kv_heads, head_dim]."""
+    kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
+
+
+def _pad_queries(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H, D] -> [B, Qmax, H, D]
+    if meta.query_pad_index is None:
+        return x.unsqueeze(0)
+    padded = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
+    padded[meta.query_pad_index] = x
+    return padded.view(meta.num_seqs, meta.max_query_len, *x.shape[1:])
+
+
+def _unpad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [B, Qmax, H, D] -> [T, H, D]
+    flat = x.reshape(-1, *x.shape[2:])
+    return flat if meta.query_pad_index is None else flat[meta.query_pad_index]
+
+
+class TorchPagedAttention:
+    """Gather each sequence's blocks, then scaled_dot_product_attention with an explicit mask."""
+
+    name = "torch"
+
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        queries = _pad_queries(q, meta).transpose(1, 2)  # [B, H, Qmax, D]
+        group = q.shape[1] // k_cache.shape[2]  # query heads per KV head
+        out = F.scaled_dot_product_attention(
+            queries,
+            _gather(k_cache, meta.block_tables, group),  # [B, H, L, D]
+            _gather(v_cache, meta.block_tables, group),
+            attn_mask=meta.attn_mask,
+            scale=scale,
+        )  # [B, H, Qmax, D]
+        return _unpad(out.transpose(1, 2), meta)
+
+
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor, group: int) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, D] -> [B, kv_heads * group, max_blocks * block_size, D].
+
+    index_select rather than cache[block_tables]: on CPU advanced indexing is ~100x slower here. KV heads
+    are expanded explicitly because SDPA's enable_gqa path is several times slower on CPU."""
+    batch, max_blocks = block_tables.shape
+    _, block_size, kv_heads, head_dim = cache.shape
+    blocks = cache.index_select(0, block_tables.view(-1))  # [B * max_blocks, block_size, kv_heads, D]
+    kv = blocks.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, D]
+    if group == 1:
+        return kv
+    length = max_blocks * block_size
+    return kv.unsqueeze(2).expand(batch, kv_heads, group, length, head_dim).reshape(batch, -1, length, head_dim)
+
+
+class FlashPagedAttention:
+    """flash-attn's paged kernel: reads blocks through the block table; causal mask aligned bottom-right,
+    which is exactly where our left-padded queries sit. Requires a CUDA device and block_size % 256 == 0."""
+
+    name = "flash"
+
+    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        assert flash_attn_with_kvcache is not None
+        out = flash_attn_with_kvcache(
+            _pad_queries(q, meta),  # [B, Qmax, H, D]
+            k_cache,
+            v_cache,
+            cache_seqlens=meta.context_lens,
+            block_table=meta.block_tables.to(torch.int32),
+            softmax_scale=scale,
+            causal=True,
+        )
+        return _unpad(out, meta)
+
+
+def select_backend(name: str, device: torch.device | str, block_size: int):
+    """'auto' picks flash-attn on CUDA when installed and the block size allows it, else torch."""
+    on_cuda = torch.device(device).type == "cuda"
+    flash_ok = flash_attn_with_kvcache is not None and on_cuda and block_size % 256 == 0
+    if name == "torch" or (name == "auto" and not flash_ok):
+        return TorchPagedAttention()
+    if name in ("flash", "auto"):
+        if not flash_ok:
+            raise ValueError(
+                "attention backend 'flash' needs flash-attn installed, a CUDA device and block_size divisible by 256"
+            )
+        return FlashPagedAttention()
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or flash)")
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)

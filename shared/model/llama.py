@@ -1,0 +1,138 @@
+"""Our Llama-family forward over a paged KV cache (RMSNorm, RoPE, GQA, SwiGLU, tied or untied head).
+
+All per-step state (positions, slots, block tables) arrives in `AttentionMetadata`; the module keeps
+none, so one instance serves every batch shape, and tensor parallelism only changes the layers in
+`parallel.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale, write_kv
+from shared.model.config import ModelArch
+from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from shared.model.rope import RotaryEmbedding, apply_rotary
+
+
+class RMSNorm(torch.nn.Module):
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32 whatever the storage dtype, as the reference implementation does.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__()
+        self.num_heads = tp.shard(arch.num_heads, "attention heads")
+        self.num_kv_heads = tp.shard(arch.num_kv_heads, "key/value heads")
+        self.head_dim = arch.head_dim
+        self.scale = default_scale(arch.head_dim)
+        self.qkv_proj = ColumnParallelLinear(
+            arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.attention_bias, tp
+        )
+        self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.attention_bias, tp)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
+        k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kv_heads, D]
+        write_kv(k_cache, v_cache, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        out = backend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        return self.o_proj(out.reshape(out.shape[0], -1))
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__()
+        self.inter = tp.shard(arch.intermediate_size, "MLP intermediate size")
+        self.gate_up_proj = ColumnParallelLinear(
+            arch.hidden_size, [arch.intermediate_size, arch.intermediate_size], arch.mlp_bias, tp
+        )
+        self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(torch.nn.Module):
+    def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.self_attn = Attention(arch, tp)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = MLP(arch, tp)
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(torch.nn.Module):
+    def __init__(self, arch: ModelArch, tp: TensorParallel = SINGLE) -> None:
+        super().__init__()
+        self.arch = arch
+        self.tp = tp
+        # Embedding and LM head are replicated: at 49k x 576 they are small next to the blocks, and
+        # replication keeps the sampler's full-vocabulary logits free of an extra all-gather.
+        self.embed_tokens = torch.nn.Embedding(arch.vocab_size, arch.hidden_size).requires_grad_(False)
+        self.layers = torch.nn.ModuleList(DecoderLayer(arch, tp) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings)
+        self.lm_head = None
+        if not arch.tie_word_embeddings:
+            self.lm_head = torch.nn.Linear(arch.hidden_size, arch.vocab_size, bias=False).requires_grad_(False)
+        self.backend = TorchPagedAttention()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [num_blocks, block_size, kv_heads, D] x2
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(meta.positions, x.dtype)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+            x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load from transformers' LlamaForCausalLM parameter names (full, unsharded tensors)."""
+        get = state.__getitem__
+        self.embed_tokens.weight.copy_(get("model.embed_tokens.weight"))
+        self.norm.weight.copy_(get("model.norm.weight"))
+        if self.lm_head is not None:
+            self.lm_head.weight.copy_(get("lm_head.weight"))
+        layers: list[DecoderLayer] = list(self.layers)  # type: ignore[arg-type]
+        for i, layer in enumerate(layers):
+            p = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = [get(f"{p}self_attn.{n}_proj.weight") for n in "qkv"]
+            qkv_bias = [get(f"{p}self_attn.{n}_proj.bias") for n in "qkv"] if attn.qkv_proj.bias is not None else None
+            attn.qkv_proj.load_full_weight(qkv, qkv_bias)
+            attn.o_proj.load_full_weight(get(f"{p}self_attn.o_proj.weight"), state.get(f"{p}self_attn.o_proj.bias"))
+            gate_up = [get(f"{p}mlp.gate_proj.weight"), get(f"{p}mlp.up_proj.weight")]
+            gate_up_bias = None
+            if mlp.gate_up_proj.bias is not None:
+                gate_up_bias = [get(f"{p}mlp.gate_proj.bias"), get(f"{p}mlp.up_proj.bias")]
+            mlp.gate_up_proj.load_full_weight(gate_up, gate_up_bias)
+            mlp.down_proj.load_full_weight(get(f"{p}mlp.down_proj.weight"), state.get(f"{p}mlp.down_proj.bias"))
+            layer.input_layernorm.weight.copy_(get(f"{p}input_layernorm.weight"))
+            layer.post_attention_layernorm.weight.copy_(get(f"{p}post_attention_layernorm.weight"))

@@ -1,0 +1,49 @@
+"""Runs one mixed forward over the paged cache: prefill chunks and multi-query scoring in one call."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.kv.cache import KVCache
+from shared.model.attention import SeqSpan, build_metadata, select_backend
+from shared.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class ForwardItem:
+    """`token_ids` are written at positions num_cached.. of the sequence whose blocks are `block_table`;
+    logits are returned for the last `num_logits` of them (0 for a prefill chunk that is not the last)."""
+
+    block_table: list[int]
+    num_cached: int
+    token_ids: list[int]
+    num_logits: int
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, cache: KVCache, attention_backend: str = "auto") -> None:
+        self.model = model
+        self.cache = cache
+        self.device = model.embed_tokens.weight.device
+        model.backend = select_backend(attention_backend, self.device, cache.block_size)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.arch.vocab_size
+
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        """Returns per item its logits [num_logits, vocab] fp32 (empty when num_logits == 0)."""
+        spans = [SeqSpan(it.block_table, it.num_cached, len(it.token_ids)) for it in items]
+        meta = build_metadata(spans, self.cache.block_size, self.device)
+        input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, self.cache.layers, meta)  # [T, hidden]
+
+        rows: list[int] = []
+        end = 0
+        for it in items:
+            end += len(it.token_ids)
+            rows.extend(range(end - it.num_logits, end))
+        logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
+        return list(logits.split([it.num_logits for it in items]))

@@ -1,0 +1,90 @@
+from shared.proto_gen.specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PROPOSER_KIND_UNSPECIFIED: _ClassVar[ProposerKind]
+    PROPOSER_KIND_DRAFT_MODEL: _ClassVar[ProposerKind]
+    PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
+PROPOSER_KIND_UNSPECIFIED: ProposerKind
+PROPOSER_KIND_DRAFT_MODEL: ProposerKind
+PROPOSER_KIND_NGRAM: ProposerKind
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("step_id", "sequences", "release_seq_ids")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
+    release_seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ProposeSequence(_message.Message):
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FULL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    committed_len: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    full_sequence: bool
+    k: int
+    sampling_params: _common_pb2.SamplingParams
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("step_id", "drafts")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    drafts: _containers.RepeatedCompositeFieldContainer[Draft]
+    def __init__(self, step_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+
+class Draft(_message.Message):
+    __slots__ = ("seq_id", "committed_len", "draft_token_ids", "draft_prob_token_ids", "draft_probs", "draft_prob_counts", "needs_resync")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROB_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_RESYNC_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    committed_len: int
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_prob_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    draft_probs: _containers.RepeatedScalarFieldContainer[float]
+    draft_prob_counts: _containers.RepeatedScalarFieldContainer[int]
+    needs_resync: bool
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_prob_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_prob_counts: _Optional[_Iterable[int]] = ..., needs_resync: _Optional[bool] = ...) -> None: ...
+
+class GetInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetInfoResponse(_message.Message):
+    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    MAX_K_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    kind: ProposerKind
+    model: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    max_k: int
+    max_model_len: int
+    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,302 @@
+"""The verifier's engine: one speculative step over every running sequence.
+
+    schedule -> propose (one batched drafter call) -> score (one forward) -> verify -> commit
+
+The core has no gRPC in it; the service drives `step()` from a worker thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from proposer_service.drafter import Draft, Drafter, DraftRequest, SparseProbs
+from shared.kv.block_manager import BlockManager
+from shared.model.runner import ForwardItem, ModelRunner
+from shared.sampling import SamplingParams, logits_to_probs
+from verifier_service.rejection_sampler import (
+    one_hot_draft_probs,
+    rejection_sample,
+    sparse_to_dense_draft_probs,
+)
+from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verifier_service.sequence import FinishReason, Sequence
+
+
+class RequestError(ValueError):
+    """The request itself is invalid (maps to INVALID_ARGUMENT)."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting (maps to RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting: int = 256
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
+    draft_rounds: int = 0  # sequence steps that scored at least one draft token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
+    stale_drafts: int = 0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per draft round: 1 + accepted / draft rounds."""
+        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    prompt_len: int = 0
+    output_ids: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        blocks: BlockManager,
+        drafter: Drafter | None = None,
+        eos_token_ids: tuple[int, ...] = (),
+    ) -> None:
+        self.config = config
+        self.runner = runner
+        self.blocks = blocks
+        self.drafter = drafter
+        self.eos_token_ids = frozenset(eos_token_ids)
+        k = config.num_speculative_tokens if drafter is not None else 0
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, k),
+            blocks,
+        )
+        self.seqs: dict[str, Sequence] = {}
+        self.stats = EngineStats()
+        self._arrivals = itertools.count()
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        self._validate(request_id, prompt_ids, params)
+        seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals))
+        self.seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        seq = self.seqs.pop(request_id, None)
+        if seq is None:
+            return False
+        seq.finish_reason = FinishReason.ABORT
+        self._release(seq)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        vocab = self.runner.vocab_size
+        if request_id in self.seqs:
+            raise RequestError(f"request id {request_id!r} is already running")
+        if not prompt_ids:
+            raise RequestError("the prompt is empty")
+        if len(prompt_ids) >= self.config.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.config.max_model_len} "
+                "and at least one token must be generated"
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        try:
+            params.validate(vocab)
+        except ValueError as err:
+            raise RequestError(str(err)) from err
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFullError(f"{self.config.max_waiting} requests are already waiting; retry later")
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch:
+            return []
+        drafts = self._propose([s for s in batch if s.samples and s.k > 0])
+        items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
+        logits = self.runner.forward(items)  # per sequence [num_logits, vocab]
+        sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
+        emitted = self._verify(sampling)
+        self.stats.steps += 1
+        outputs = []
+        for s in batch:
+            if not s.samples:
+                s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
+                self._rollback_blocks(s.seq)
+        for (s, draft, _), tokens in zip(sampling, emitted, strict=True):
+            outputs.append(self._commit(s, draft, tokens))
+        return outputs
+
+    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[str, Draft]:
+        if not scheduled or self.drafter is None:
+            return {}
+        requests = []
+        for s in scheduled:
+            seq = s.seq
+            new = seq.tokens[seq.num_sent_to_proposer :]
+            requests.append(DraftRequest(seq.seq_id, len(seq.tokens), new, s.k, seq.params))
+            seq.num_sent_to_proposer = len(seq.tokens)
+        drafts = {}
+        for s, draft in zip(scheduled, self.drafter.propose(requests), strict=True):
+            if draft.needs_resync:
+                s.seq.num_sent_to_proposer = 0
+            if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
+                self.stats.stale_drafts += 1  # built on another prefix: never applied
+                continue
+            if draft.token_ids:
+                drafts[draft.seq_id] = _trim(draft, s.k)
+        return drafts
+
+    def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
+        seq = s.seq
+        feed = seq.tokens[seq.num_computed : seq.num_computed + s.num_feed]
+        draft_ids = draft.token_ids if draft else []
+        num_logits = len(draft_ids) + 1 if s.samples else 0
+        return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
+
+    def _verify(self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]]) -> list[list[int]]:
+        if not rows:
+            return []
+        vocab = self.runner.vocab_size
+        k_max = max(lg.shape[0] for _, _, lg in rows) - 1
+        target_logits = torch.zeros(len(rows), k_max + 1, vocab)  # [batch, k_max+1, vocab]
+        draft_probs = torch.zeros(len(rows), k_max, vocab)  # [batch, k_max, vocab]
+        draft_ids = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [batch, k_max]
+        num_drafts = torch.zeros(len(rows), dtype=torch.int64)
+        for i, (_, draft, lg) in enumerate(rows):
+            target_logits[i, : lg.shape[0]] = lg
+            k = lg.shape[0] - 1
+            num_drafts[i] = k
+            if k:
+                assert draft is not None
+                ids = torch.tensor(draft.token_ids, dtype=torch.int64)
+                draft_ids[i, :k] = ids
+                draft_probs[i, :k] = self._dense_draft_probs(draft, ids, vocab)
+        target_probs = self._target_probs(target_logits, [s.seq.params for s, _, _ in rows])
+        result = rejection_sample(
+            target_probs, draft_ids, draft_probs, num_drafts, [s.seq.generator for s, _, _ in rows]
+        )
+        emitted = []
+        for i in range(len(rows)):
+            n = int(result.num_accepted[i])
+            emitted.append(result.output_token_ids[i, : n + 1].tolist())
+        return emitted
+
+    @staticmethod
+    def _dense_draft_probs(draft: Draft, ids: torch.Tensor, vocab: int) -> torch.Tensor:  # [k, vocab]
+        if draft.probs is None:
+            return one_hot_draft_probs(ids.unsqueeze(0), vocab)[0]
+        return sparse_to_dense_draft_probs(draft.probs.token_ids.unsqueeze(0), draft.probs.probs.unsqueeze(0), vocab)[0]
+
+    @staticmethod
+    def _target_probs(target_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """The plain decoder's distribution at every scored position: [batch, k_max+1, vocab]."""
+        batch, positions, vocab = target_logits.shape
+
+        def per_position(values: list, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).repeat_interleave(positions)
+
+        probs = logits_to_probs(
+            target_logits.view(-1, vocab),
+            temperature=per_position([p.temperature for p in params], torch.float32),
+            top_k=per_position([p.top_k for p in params], torch.int64),
+            top_p=per_position([p.top_p for p in params], torch.float32),
+            min_p=per_position([p.min_p for p in params], torch.float32),
+        )
+        return probs.view(batch, positions, vocab)
+
+    def _commit(self, s: ScheduledSeq, draft: Draft | None, tokens: list[int]) -> RequestOutput:
+        seq = s.seq
+        k = len(draft.token_ids) if draft else 0
+        num_accepted = len(tokens) - 1
+        # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
+        seq.num_computed += s.num_feed + num_accepted
+        self._update_stats(seq, k, num_accepted, len(tokens))
+        new_tokens = []
+        for token in tokens:
+            seq.tokens.append(token)
+            new_tokens.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                break
+        seq.num_computed = min(seq.num_computed, len(seq.tokens))
+        out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
+        if seq.is_finished:
+            out.output_ids = seq.output_ids
+            self.seqs.pop(seq.seq_id, None)
+            self._release(seq)
+        else:
+            self._rollback_blocks(seq)
+        return out
+
+    def _update_stats(self, seq: Sequence, k: int, num_accepted: int, num_emitted: int) -> None:
+        self.stats.sequence_steps += 1
+        self.stats.emitted_tokens += num_emitted
+        if k:
+            self.stats.draft_rounds += 1
+            self.stats.drafted_tokens += k
+            self.stats.accepted_tokens += num_accepted
+            seq.num_drafted += k
+            seq.num_accepted += num_accepted
+
+    def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _rollback_blocks(self, seq: Sequence) -> None:
+        """Return the slots of rejected drafts; the next step reserves what it needs again."""
+        if self.blocks.has_seq(seq.seq_id) and self.blocks.num_tokens(seq.seq_id) > seq.num_computed:
+            self.blocks.rollback(seq.seq_id, seq.num_computed)
+
+    def _release(self, seq: Sequence) -> None:
+        self.scheduler.remove(seq)
+        if self.drafter is not None:
+            self.drafter.release([seq.seq_id])
+
+
+def _trim(draft: Draft, k: int) -> Draft:
+    """A drafter may propose fewer tokens than asked, never more: extra ones are cut with their probs."""
+    if len(draft.token_ids) <= k:
+        return draft
+    probs = draft.probs
+    if probs is not None:
+        probs = SparseProbs(probs.token_ids[:k], probs.probs[:k])
+    return Draft(draft.seq_id, draft.committed_len, draft.token_ids[:k], probs)

@@ -1,0 +1,49 @@
+"""A request's state inside the engine."""
+
+from __future__ import annotations
+
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.sampling import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # EOS or a stop token id
+    LENGTH = "length"  # max_tokens or the context limit
+    ABORT = "abort"
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: int  # admission order; preemption takes the newest first
+    tokens: list[int] = field(default_factory=list)  # prompt + output, all committed
+    num_computed: int = 0  # tokens whose K/V are in the cache; the rest are fed next step
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator = field(default_factory=torch.Generator)
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_sent_to_proposer: int = 0  # committed tokens the proposer has seen
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
+        seed = secrets.randbits(63) if self.params.seed is None else self.params.seed
+        self.generator.manual_seed(seed)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
