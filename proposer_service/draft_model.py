@@ -106,7 +106,9 @@ class DraftModelDrafter:
                 items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), feeds[i], 1))
                 states[i].cached.extend(feeds[i])
             logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
-            for row, (token, support) in zip(rows, self._sample(logits, [reqs[i] for i in rows], states, rows)):
+            for row, (token, support) in zip(
+                rows, self._sample(logits, [reqs[i] for i in rows], states, rows), strict=True
+            ):
                 out_ids[row].append(token)
                 if support is not None:
                     out_probs[row].append(support)

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from proposer_service.drafter import Draft, Drafter, DraftRequest, SparseProbs
+from shared.errors import InvalidRequestError, QueueFullError
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams, logits_to_probs
@@ -24,13 +25,8 @@ from verifier_service.rejection_sampler import (
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from verifier_service.sequence import FinishReason, Sequence
 
-
-class RequestError(ValueError):
-    """The request itself is invalid (maps to INVALID_ARGUMENT)."""
-
-
-class QueueFullError(RuntimeError):
-    """Too many requests are waiting (maps to RESOURCE_EXHAUSTED)."""
+# The engine's errors are the shared domain errors, so servicers map them in one place.
+RequestError = InvalidRequestError
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,39 @@
+"""Domain errors, and the one place that maps them to gRPC status codes.
+
+Service cores raise these (they never import grpc); servicers call `grpc_status_for`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class SpecdecError(Exception):
+    """Base class; the message is shown to the client as is, so write it for a person."""
+
+
+class InvalidRequestError(SpecdecError, ValueError):
+    """Bad parameters or prompt: INVALID_ARGUMENT."""
+
+
+class QueueFullError(SpecdecError):
+    """Too many requests are waiting: RESOURCE_EXHAUSTED."""
+
+
+class UnavailableError(SpecdecError):
+    """No healthy backend: UNAVAILABLE."""
+
+
+def grpc_status_for(err: BaseException) -> tuple[Any, str]:
+    """(grpc.StatusCode, message) for an exception raised by a service core."""
+    import grpc
+
+    if isinstance(err, InvalidRequestError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(err)
+    if isinstance(err, QueueFullError):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
+    if isinstance(err, UnavailableError):
+        return grpc.StatusCode.UNAVAILABLE, str(err)
+    if isinstance(err, TimeoutError):
+        return grpc.StatusCode.DEADLINE_EXCEEDED, str(err) or "deadline exceeded"
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
