@@ -82,6 +82,14 @@ class Engine:
         drafter: Drafter | None = None,
         eos_token_ids: tuple[int, ...] = (),
     ) -> None:
+        capacity = blocks.num_blocks * blocks.block_size
+        if capacity < config.max_model_len + config.num_speculative_tokens + 1:
+            # Otherwise a lone long sequence could never fit and preemption would loop forever.
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens, less than one full sequence "
+                f"(max_model_len {config.max_model_len} + {config.num_speculative_tokens} draft slots + 1): "
+                "add blocks or lower max_model_len"
+            )
         self.config = config
         self.runner = runner
         self.blocks = blocks

@@ -77,5 +77,10 @@ class RowParallelLinear(torch.nn.Module):
 
     def load_full_weight(self, full: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight.copy_(full[:, self.tp.rank * self.shard : (self.tp.rank + 1) * self.shard])
-        if self.bias is not None and bias is not None:
-            self.bias.copy_(bias)
+        if self.bias is not None:
+            # A checkpoint without this bias (Qwen2: q/k/v have biases, o_proj has none) means zero; the
+            # parameter itself was made on the meta device and holds no values until set here.
+            if bias is None:
+                self.bias.zero_()
+            else:
+                self.bias.copy_(bias)

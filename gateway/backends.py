@@ -1,0 +1,125 @@
+"""The verifier backends: one channel each, periodic health checks (standard grpc.health.v1) and stats polls.
+
+A backend receives traffic while its last health check answered SERVING. A request whose verifier
+call fails with UNAVAILABLE marks the backend down at once (`mark_failed`); the next successful check
+brings it back. Each poll also reads Verifier.GetStats for the context length, the vocabulary size and
+the engine's queue (used by least-loaded routing); a failed stats poll alone does not mark a backend down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from gateway.config import GatewayConfig
+from gateway.router import BackendLoad, Router
+from shared.grpc_server import CHANNEL_OPTIONS
+from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+# Reconnect quickly after a verifier restarts (the gRPC default backs off up to 120 s).
+BACKEND_CHANNEL_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.min_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+]
+
+
+@dataclass
+class Backend:
+    load: BackendLoad
+    channel: grpc.aio.Channel
+    stub: verifier_pb2_grpc.VerifierStub
+    health: health_pb2_grpc.HealthStub
+    engine: common_pb2.EngineStats | None = None
+    model: str = ""
+
+    @property
+    def address(self) -> str:
+        return self.load.address
+
+
+class BackendPool:
+    def __init__(self, config: GatewayConfig, router: Router | None = None) -> None:
+        self.config = config
+        self.router = router or Router.for_addresses(config.verifiers)
+        self.backends: dict[str, Backend] = {}
+        for address in config.verifiers:
+            channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
+            self.backends[address] = Backend(
+                load=self.router.backends[address],
+                channel=channel,
+                stub=verifier_pb2_grpc.VerifierStub(channel),
+                health=health_pb2_grpc.HealthStub(channel),
+            )
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        """One round of checks right away (so a fresh gateway routes at once), then periodic ones."""
+        await asyncio.gather(*(self.check(b) for b in self.backends.values()))
+        self._tasks = [asyncio.create_task(self._loop(b), name=f"health {b.address}") for b in self.backends.values()]
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._tasks = []
+        await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
+
+    def __getitem__(self, address: str) -> Backend:
+        return self.backends[address]
+
+    async def _loop(self, backend: Backend) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_check_interval_s)
+            await self.check(backend)
+
+    async def check(self, backend: Backend) -> None:
+        timeout = self.config.health_check_timeout_s
+        try:
+            reply = await backend.health.Check(
+                health_pb2.HealthCheckRequest(service=self.config.health_service), timeout=timeout
+            )
+            serving = reply.status == health_pb2.HealthCheckResponse.SERVING
+            reason = "" if serving else health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+        except grpc.aio.AioRpcError as err:
+            serving, reason = False, f"{err.code().name}: {err.details()}"
+        except Exception as err:  # a health check must never kill its loop
+            serving, reason = False, f"{type(err).__name__}: {err}"
+        self._set_healthy(backend, serving, reason)
+        if serving:
+            await self._poll_stats(backend)
+
+    async def _poll_stats(self, backend: Backend) -> None:
+        try:
+            stats = await backend.stub.GetStats(
+                verifier_pb2.VerifierGetStatsRequest(), timeout=self.config.health_check_timeout_s
+            )
+        except grpc.aio.AioRpcError as err:
+            log.debug("event=stats_poll_failed backend=%s code=%s", backend.address, err.code().name)
+            return
+        backend.engine = stats.stats
+        backend.model = stats.model
+        backend.load.engine_queue = stats.stats.running_requests + stats.stats.waiting_requests
+        backend.load.max_model_len = stats.max_model_len or None
+        backend.load.vocab_size = stats.vocab_size or None
+
+    def mark_failed(self, address: str, reason: str) -> None:
+        self._set_healthy(self.backends[address], False, reason)
+
+    def _set_healthy(self, backend: Backend, healthy: bool, reason: str = "") -> None:
+        if backend.load.healthy != healthy:
+            if healthy:
+                log.info("event=backend_up backend=%s", backend.address)
+            else:
+                log.warning("event=backend_down backend=%s reason=%r", backend.address, reason)
+        backend.load.healthy = healthy

@@ -1,0 +1,80 @@
+"""The gateway's one frozen config: flags and SPECDEC_* environment variables (see shared/config.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from shared.config import load_config
+
+
+def _help(text: str) -> dict[str, str]:
+    return {"help": text}
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """specdec gateway: the public Generate/Complete API in front of one or more verifiers."""
+
+    verifiers: tuple[str, ...] = field(
+        default=("127.0.0.1:50052",), metadata=_help("comma-separated verifier addresses HOST:PORT[,HOST:PORT...]")
+    )
+    tokenizer: str = field(
+        default="", metadata=_help("tokenizer (HF folder, .gguf folder or hub id); empty: the default target model")
+    )
+    host: str = field(default="0.0.0.0", metadata=_help("address to listen on"))
+    port: int = field(default=50051, metadata=_help("port to listen on (0: pick a free one)"))
+    default_max_tokens: int = field(default=128, metadata=_help("max_tokens of requests that leave it unset"))
+    max_tokens_limit: int = field(
+        default=32768, metadata=_help("largest max_tokens a request may ask for (also capped by the context length)")
+    )
+    max_stop_strings: int = field(default=16, metadata=_help("most stop strings per request"))
+    max_stop_string_chars: int = field(default=256, metadata=_help("longest stop string, in characters"))
+    max_stop_token_ids: int = field(default=64, metadata=_help("most stop token ids per request"))
+    skip_special_tokens: bool = field(
+        default=True, metadata=_help("leave special tokens (e.g. the end-of-sequence token) out of the text")
+    )
+    max_resumes: int = field(
+        default=3, metadata=_help("times one request may be resumed on another verifier after its verifier failed")
+    )
+    health_check_interval_s: float = field(default=2.0, metadata=_help("seconds between health checks of a verifier"))
+    health_check_timeout_s: float = field(default=2.0, metadata=_help("timeout of one health check / stats poll"))
+    health_service: str = field(
+        default="", metadata=_help("service name asked in grpc.health.v1 checks of the verifiers ('' = overall)")
+    )
+    drain_timeout_s: float = field(
+        default=10.0, metadata=_help("on SIGTERM: seconds running requests may finish before they are cancelled")
+    )
+    log_level: str = field(default="INFO", metadata=_help("log level"))
+
+    def __post_init__(self) -> None:
+        if not self.verifiers:
+            raise ValueError("--verifiers needs at least one HOST:PORT")
+        for address in self.verifiers:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"verifier address {address!r} is not HOST:PORT")
+        if len(set(self.verifiers)) != len(self.verifiers):
+            raise ValueError(f"verifier addresses repeat: {','.join(self.verifiers)}")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        for name in ("default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("default_max_tokens must not exceed max_tokens_limit")
+        if self.max_stop_token_ids < 0 or self.max_resumes < 0:
+            raise ValueError("max_stop_token_ids and max_resumes must be >= 0")
+        if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:
+            raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
+
+    def tokenizer_name(self) -> str:
+        if self.tokenizer:
+            return self.tokenizer
+        from shared.settings import default_target_model
+
+        return default_target_model()
+
+
+def load_gateway_config(argv: Sequence[str] | None = None) -> GatewayConfig:
+    return load_config(GatewayConfig, argv)

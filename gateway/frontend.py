@@ -1,0 +1,254 @@
+"""The tokenizer front end: request validation, tokenization, and the per-request output side
+(detokenization, stop strings, token accounting). Pure Python, no grpc: it works on plain values and
+raises `shared.errors.InvalidRequestError` with messages written for a person.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from gateway.config import GatewayConfig
+from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from shared.errors import InvalidRequestError
+from shared.sampling import SamplingParams
+
+_DEFAULTS = SamplingParams()
+
+
+@dataclass(frozen=True)
+class RequestFields:
+    """The public request's fields (GenerateRequest / CompleteRequest), unset optionals as None."""
+
+    request_id: str = ""
+    session_id: str = ""
+    prompt: str = ""
+    prompt_token_ids: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    max_draft_tokens: int | None = None
+
+    @classmethod
+    def from_proto(cls, msg: Any) -> RequestFields:
+        def opt(name: str) -> Any:
+            return getattr(msg, name) if msg.HasField(name) else None
+
+        return cls(
+            request_id=msg.request_id,
+            session_id=msg.session_id,
+            prompt=msg.prompt,
+            prompt_token_ids=tuple(msg.prompt_token_ids),
+            max_tokens=opt("max_tokens"),
+            temperature=opt("temperature"),
+            top_p=opt("top_p"),
+            top_k=opt("top_k"),
+            min_p=opt("min_p"),
+            seed=opt("seed"),
+            stop=tuple(msg.stop),
+            stop_token_ids=tuple(msg.stop_token_ids),
+            ignore_eos=msg.ignore_eos,
+            max_draft_tokens=opt("max_draft_tokens"),
+        )
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A validated request with every default resolved; what the verifier is sent (token ids only)."""
+
+    request_id: str
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams  # temperature, top_k, top_p, min_p, seed (max_tokens/stop ids live here too)
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+    max_draft_tokens: int | None
+
+
+class Frontend:
+    def __init__(self, tokenizer: Any, config: GatewayConfig) -> None:
+        self.tokenizer = tokenizer
+        self.config = config
+        self.tokenizer_vocab = len(tokenizer)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_id: int | None = eos if isinstance(eos, int) else None
+
+    # -- request side ------------------------------------------------------------------------------
+
+    def check_fields(self, req: RequestFields, vocab_size: int | None = None) -> None:
+        """Everything checkable before tokenizing. `vocab_size`: the verifiers' vocabulary, if known."""
+        cfg = self.config
+        if req.prompt and req.prompt_token_ids:
+            raise InvalidRequestError("set exactly one of prompt and prompt_token_ids, not both")
+        if not req.prompt and not req.prompt_token_ids:
+            raise InvalidRequestError("the prompt is empty: set prompt (text) or prompt_token_ids")
+        if req.max_tokens is not None:
+            if req.max_tokens < 1:
+                raise InvalidRequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
+            if req.max_tokens > cfg.max_tokens_limit:
+                raise InvalidRequestError(f"max_tokens must be at most {cfg.max_tokens_limit}, got {req.max_tokens}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(req, name)
+            if value is not None and not math.isfinite(value):
+                raise InvalidRequestError(f"{name} must be a finite number, got {value}")
+        try:
+            self._sampling(req).validate()
+        except ValueError as err:
+            raise InvalidRequestError(str(err)) from None
+        if len(req.stop) > cfg.max_stop_strings:
+            raise InvalidRequestError(f"at most {cfg.max_stop_strings} stop strings are allowed, got {len(req.stop)}")
+        for i, s in enumerate(req.stop):
+            if not s:
+                raise InvalidRequestError(f"stop string {i} is empty; stop strings must be non-empty")
+            if len(s) > cfg.max_stop_string_chars:
+                raise InvalidRequestError(
+                    f"stop string {i} has {len(s)} characters; the limit is {cfg.max_stop_string_chars}"
+                )
+        if len(req.stop_token_ids) > cfg.max_stop_token_ids:
+            raise InvalidRequestError(
+                f"at most {cfg.max_stop_token_ids} stop token ids are allowed, got {len(req.stop_token_ids)}"
+            )
+        vocab = self.vocab_limit(vocab_size)
+        bad = [t for t in req.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {vocab}), e.g. {bad[:5]}"
+            )
+
+    def vocab_limit(self, vocab_size: int | None) -> int:
+        """Token ids must be below both the tokenizer's and the model's vocabulary size."""
+        return min(self.tokenizer_vocab, vocab_size) if vocab_size else self.tokenizer_vocab
+
+    def tokenize(self, prompt: str) -> tuple[int, ...]:
+        """Text prompt -> ids, with the tokenizer's default special tokens (e.g. BOS where it adds one)."""
+        ids = tuple(self.tokenizer.encode(prompt))
+        if not ids:
+            raise InvalidRequestError("the prompt is empty after tokenization")
+        return ids
+
+    def prepare(self, req: RequestFields, prompt_ids: Sequence[int] | None = None) -> PreparedRequest:
+        """A checked request (check_fields first) plus its prompt ids -> PreparedRequest."""
+        ids = tuple(prompt_ids) if prompt_ids is not None else tuple(req.prompt_token_ids)
+        sampling = self._sampling(req)
+        return PreparedRequest(
+            request_id=req.request_id or uuid.uuid4().hex,
+            session_id=req.session_id,
+            prompt_ids=ids,
+            max_tokens=sampling.max_tokens,
+            sampling=sampling,
+            stop=req.stop,
+            stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos,
+            max_draft_tokens=req.max_draft_tokens,
+        )
+
+    def check_context(self, prepared: PreparedRequest, max_model_len: int | None) -> None:
+        """The prompt must leave room for at least one generated token; max_tokens can't exceed the context.
+
+        Without a known context length (the verifier not polled yet) the verifier's own check decides,
+        and its INVALID_ARGUMENT is passed through unchanged.
+        """
+        if not max_model_len:
+            return
+        n = len(prepared.prompt_ids)
+        if n >= max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens; the context limit is {max_model_len} tokens (prompt plus output), "
+                "so the prompt must be shorter: shorten it"
+            )
+        if prepared.max_tokens > max_model_len:
+            raise InvalidRequestError(
+                f"max_tokens must be at most {max_model_len} (the model's context length), got {prepared.max_tokens}"
+            )
+
+    def _sampling(self, req: RequestFields) -> SamplingParams:
+        def pick(value: Any, default: Any) -> Any:
+            return default if value is None else value
+
+        return SamplingParams(
+            temperature=float(pick(req.temperature, _DEFAULTS.temperature)),
+            top_k=int(pick(req.top_k, _DEFAULTS.top_k)),
+            top_p=float(pick(req.top_p, _DEFAULTS.top_p)),
+            min_p=float(pick(req.min_p, _DEFAULTS.min_p)),
+            seed=req.seed,
+            max_tokens=int(pick(req.max_tokens, self.config.default_max_tokens)),
+            stop_token_ids=tuple(req.stop_token_ids),
+            ignore_eos=req.ignore_eos,
+        )
+
+    # -- output side -------------------------------------------------------------------------------
+
+    def output(self, prepared: PreparedRequest) -> OutputProcessor:
+        return OutputProcessor(
+            IncrementalDetokenizer(self.tokenizer, prepared.prompt_ids, self.config.skip_special_tokens),
+            StopStringMatcher(prepared.stop),
+            prepared.max_tokens,
+        )
+
+
+@dataclass
+class Chunk:
+    """What one verifier message turns into for the client."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    stop_string: str | None = None  # set when a stop string ended the output
+    length_reached: bool = False  # max_tokens reached (a misbehaving verifier's extra tokens are cut)
+
+
+class OutputProcessor:
+    """Per request: the token history (for resuming elsewhere), the text, stop strings, max_tokens."""
+
+    def __init__(self, detok: IncrementalDetokenizer, stops: StopStringMatcher, max_tokens: int) -> None:
+        self._detok = detok
+        self._stops = stops
+        self.max_tokens = max_tokens
+        self.token_ids: list[int] = []  # everything emitted to the client so far
+        self.finished = False
+
+    def add(self, token_ids: Sequence[int]) -> Chunk:
+        """Processes tokens one by one; stops at a stop string or at max_tokens."""
+        chunk = Chunk()
+        for token in token_ids:
+            if self.finished:
+                break
+            self.token_ids.append(token)
+            chunk.token_ids.append(token)
+            text, match = self._stops.feed(self._detok.add(token))
+            if match is not None:
+                chunk.text += match.text
+                chunk.stop_string = match.stop_string
+                self.finished = True
+                break
+            chunk.text += text
+            if len(self.token_ids) >= self.max_tokens:
+                chunk.length_reached = True
+                break
+        return chunk
+
+    def finish(self) -> Chunk:
+        """The held-back text at the end of the output (a stop string may still complete in it)."""
+        chunk = Chunk()
+        if self.finished:
+            return chunk
+        self.finished = True
+        text, match = self._stops.feed(self._detok.flush())
+        if match is not None:
+            chunk.text, chunk.stop_string = match.text, match.stop_string
+            return chunk
+        chunk.text = text + self._stops.flush()
+        return chunk

@@ -1,0 +1,364 @@
+"""specdec.v1.Gateway: validation and tokenization (frontend), routing (router), verifier calls, resume.
+
+Request flow: check fields -> tokenize -> pick a verifier -> stream Verifier.Generate, turning each
+verifier message into one client message (token ids + UTF-8 safe text, text that might begin a stop
+string held back). The gateway keeps each live request's emitted tokens. If its verifier fails
+mid-stream (UNAVAILABLE, or the verifier side cancelled the call) the request resumes on another
+healthy verifier: the new prompt is the original prompt plus the tokens emitted so far and max_tokens
+is lowered by their number, so the client sees one uninterrupted stream.
+
+Cancellation: when the client cancels or its deadline passes, gRPC cancels the handler task; the
+verifier call is cancelled with it (in `finally`, and by a done-callback on the client's RPC as a
+second guard), so the verifier frees the request's KV blocks within one engine step. A stop string
+also cancels the verifier call. The client's remaining deadline is passed on to the verifier call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from gateway.backends import BackendPool
+from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
+from shared.errors import InvalidRequestError, SpecdecError, UnavailableError, grpc_status_for
+from shared.proto_gen.specdec.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2,
+)
+
+log = logging.getLogger(__name__)
+
+FINISH_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
+FINISH_STOP = common_pb2.FINISH_REASON_STOP
+FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
+FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
+
+
+class VerifierError(Exception):
+    """A verifier's error status, passed through to the client unchanged (code and message)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+class _VerifierFailed(Exception):
+    """The verifier died or dropped the call: resume the request elsewhere."""
+
+
+@dataclass
+class Final:
+    finish_reason: int
+    usage: common_pb2.Usage
+    stop_string: str | None = None
+    stop_token_id: int | None = None
+
+
+@dataclass
+class _Accounting:
+    """Usage summed over the verifier segments of one request (more than one after a resume)."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+    cached_prompt: int | None = None
+
+    def add_segment(self, usage: common_pb2.Usage | None, steps_seen: int) -> None:
+        # A segment that ended without its final message (cancelled after a stop string, or its verifier
+        # died) has no usage: its steps are counted from the messages, its drafts are unknown.
+        if usage is None:
+            self.steps += steps_seen
+            return
+        self.drafted += usage.drafted_tokens
+        self.accepted += usage.accepted_tokens
+        self.steps += usage.num_steps or steps_seen
+        if self.cached_prompt is None:
+            self.cached_prompt = usage.cached_prompt_tokens
+
+
+@dataclass
+class GatewayCounters:
+    active_requests: int = 0
+    total_requests: int = 0
+    resumed_requests: int = 0
+
+
+@dataclass
+class _Segment:
+    usage: common_pb2.Usage | None = None
+    steps: int = 0
+    calls: list[Any] = field(default_factory=list)
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
+    def __init__(self, frontend: Frontend, pool: BackendPool) -> None:
+        self.frontend = frontend
+        self.pool = pool
+        self.router = pool.router
+        self.config = frontend.config
+        self.counters = GatewayCounters()
+
+    # -- RPCs --------------------------------------------------------------------------------------
+
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+        fields = RequestFields.from_proto(request)
+        try:
+            async with contextlib.aclosing(self._generate(fields, context)) as parts:
+                async for request_id, chunk, final in parts:
+                    response = gateway_pb2.GenerateResponse(
+                        request_id=request_id, token_ids=chunk.token_ids, text=chunk.text
+                    )
+                    if final is not None:
+                        _set_final(response, final)
+                    await context.write(response)
+        except (SpecdecError, VerifierError) as err:
+            await _abort(context, err)
+
+    async def Complete(  # type: ignore[override]
+        self, request: gateway_pb2.CompleteRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.CompleteResponse:
+        fields = RequestFields.from_proto(request)
+        response = gateway_pb2.CompleteResponse()
+        text: list[str] = []
+        try:
+            async with contextlib.aclosing(self._generate(fields, context)) as parts:
+                async for request_id, chunk, final in parts:
+                    response.request_id = request_id
+                    response.token_ids.extend(chunk.token_ids)
+                    text.append(chunk.text)
+                    if final is not None:
+                        _set_final(response, final)
+        except (SpecdecError, VerifierError) as err:
+            await _abort(context, err)
+        response.text = "".join(text)
+        return response
+
+    async def GetStats(  # type: ignore[override]
+        self, request: gateway_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.GetStatsResponse:
+        response = gateway_pb2.GetStatsResponse(
+            active_requests=self.counters.active_requests,
+            total_requests=self.counters.total_requests,
+            resumed_requests=self.counters.resumed_requests,
+        )
+        for backend in self.pool.backends.values():
+            entry = response.backends.add(
+                address=backend.address, healthy=backend.load.healthy, active_requests=backend.load.active_requests
+            )
+            if backend.engine is not None:
+                entry.engine.CopyFrom(backend.engine)
+        return response
+
+    # -- the request loop --------------------------------------------------------------------------
+
+    async def _generate(
+        self, fields: RequestFields, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[tuple[str, Chunk, Final | None], None]:
+        """Yields (request_id, chunk, final-or-None) per verifier message; raises SpecdecError / VerifierError."""
+        self.counters.total_requests += 1
+        self.counters.active_requests += 1
+        started = time.monotonic()
+        live_calls: list[Any] = []
+        # Second guard: whatever the handler task is doing when the client goes away, cancel the verifier call.
+        context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
+        request_id = fields.request_id or "-"
+        try:
+            self.frontend.check_fields(fields, self.router.vocab_limit())
+            prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
+            prepared = self.frontend.prepare(fields, prompt_ids)
+            request_id = prepared.request_id
+            out = self.frontend.output(prepared)
+            acct = _Accounting()
+            failed: set[str] = set()
+            resumes = 0
+            final: Final | None = None
+            while final is None:
+                final = self._finished_before_call(prepared, out.token_ids)
+                if final is not None:
+                    # Only reachable after a resume: nothing left to generate (see _finished_before_call).
+                    tail = out.finish()
+                    final.usage = self._usage(prepared, out.token_ids, acct)
+                    yield request_id, tail, final
+                    break
+                backend = self.router.pick(prepared.session_id, exclude=failed)
+                if not out.token_ids:
+                    self.frontend.check_context(prepared, backend.max_model_len)
+                segment = _Segment(calls=live_calls)
+                stream = self._call_verifier(prepared, out, backend.address, segment, context)
+                try:
+                    async with contextlib.aclosing(stream):
+                        async for chunk, final in stream:
+                            if final is not None:
+                                acct.add_segment(segment.usage, segment.steps)
+                                final.usage = self._usage(prepared, out.token_ids, acct)
+                            yield request_id, chunk, final
+                except _VerifierFailed as err:
+                    acct.add_segment(segment.usage, segment.steps)
+                    failed.add(backend.address)
+                    self.pool.mark_failed(backend.address, str(err))
+                    if resumes >= self.config.max_resumes:
+                        raise UnavailableError(
+                            f"the request failed on {resumes + 1} verifiers in turn; last error: {err}"
+                        ) from None
+                    resumes += 1
+                    self.counters.resumed_requests += 1
+                    # A seeded request that resumes stays exact in distribution, but it is not
+                    # bit-reproducible: the new verifier seeds a fresh generator for the continuation
+                    # instead of continuing the old one's random stream.
+                    log.warning(
+                        "event=resume request_id=%s failed_backend=%s emitted_tokens=%d reason=%r",
+                        request_id,
+                        backend.address,
+                        len(out.token_ids),
+                        str(err),
+                    )
+            if final is not None:
+                log.info(
+                    "event=finished request_id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
+                    "drafted=%d accepted=%d resumes=%d seconds=%.3f",
+                    request_id,
+                    common_pb2.FinishReason.Name(final.finish_reason),
+                    final.usage.prompt_tokens,
+                    final.usage.completion_tokens,
+                    final.usage.drafted_tokens,
+                    final.usage.accepted_tokens,
+                    resumes,
+                    time.monotonic() - started,
+                )
+        except (SpecdecError, VerifierError) as err:
+            level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
+            log.log(level, "event=rejected request_id=%s error=%r", request_id, str(err))
+            raise
+        finally:
+            self.counters.active_requests -= 1
+            for call in live_calls:
+                call.cancel()
+
+    def _finished_before_call(self, prepared: PreparedRequest, emitted: list[int]) -> Final | None:
+        """After a resume: is the request already complete? (its verifier died before sending the end)."""
+        if not emitted:
+            return None
+        last = emitted[-1]
+        eos = self.frontend.eos_token_id
+        if last in prepared.stop_token_ids or (last == eos and not prepared.ignore_eos):
+            return Final(FINISH_STOP, common_pb2.Usage(), stop_token_id=last)
+        if len(emitted) >= prepared.max_tokens:
+            return Final(FINISH_LENGTH, common_pb2.Usage())
+        limit = self.router.context_limit()
+        if limit and len(prepared.prompt_ids) + len(emitted) >= limit:
+            return Final(FINISH_LENGTH, common_pb2.Usage())
+        return None
+
+    async def _call_verifier(
+        self,
+        prepared: PreparedRequest,
+        out: Any,
+        address: str,
+        segment: _Segment,
+        context: grpc.aio.ServicerContext,
+    ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
+        backend = self.pool[address]
+        emitted = list(out.token_ids)
+        request = verifier_pb2.VerifierGenerateRequest(
+            request_id=prepared.request_id,
+            session_id=prepared.session_id,
+            prompt_token_ids=[*prepared.prompt_ids, *emitted],
+            sampling_params=common_pb2.SamplingParams(
+                temperature=prepared.sampling.temperature,
+                top_p=prepared.sampling.top_p,
+                top_k=prepared.sampling.top_k,
+                min_p=prepared.sampling.min_p,
+                seed=prepared.sampling.seed,
+            ),
+            max_tokens=prepared.max_tokens - len(emitted),
+            stop_token_ids=prepared.stop_token_ids,
+            ignore_eos=prepared.ignore_eos,
+            max_draft_tokens=prepared.max_draft_tokens,
+        )
+        timeout = context.time_remaining()
+        call = backend.stub.Generate(request, timeout=timeout)
+        segment.calls.append(call)
+        backend.load.active_requests += 1
+        try:
+            async for msg in call:
+                if msg.token_ids:
+                    segment.steps += 1
+                if msg.HasField("usage"):
+                    segment.usage = msg.usage  # the last message's; a verifier may also send it earlier
+                chunk = out.add(msg.token_ids)
+                if chunk.stop_string is not None:
+                    call.cancel()  # the verifier frees the request's KV blocks
+                    yield chunk, Final(FINISH_STOP, common_pb2.Usage(), stop_string=chunk.stop_string)
+                    return
+                reason = msg.finish_reason
+                if reason == FINISH_UNSPECIFIED and not chunk.length_reached:
+                    yield chunk, None
+                    continue
+                if reason == FINISH_UNSPECIFIED:  # max_tokens reached, the verifier sent more: cut and stop
+                    call.cancel()
+                    reason = FINISH_LENGTH
+                yield self._last_chunk(chunk, out, reason, msg)
+                return
+        except grpc.aio.AioRpcError as err:
+            code = err.code()
+            if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not context.done()):
+                raise _VerifierFailed(f"verifier {address}: {code.name}: {err.details()}") from None
+            raise VerifierError(code, err.details() or code.name) from None
+        finally:
+            backend.load.active_requests -= 1
+            if not call.done():
+                call.cancel()
+            segment.calls.remove(call)
+        # The stream ended without a finish reason: a broken verifier; resume elsewhere.
+        raise _VerifierFailed(f"verifier {address} ended the stream without a finish reason")
+
+    def _last_chunk(self, chunk: Chunk, out: Any, reason: int, msg: Any) -> tuple[Chunk, Final]:
+        tail = out.finish()
+        chunk.text += tail.text
+        final = Final(reason, common_pb2.Usage())
+        if tail.stop_string is not None:  # a stop string completed in the held-back text
+            final.finish_reason, final.stop_string = FINISH_STOP, tail.stop_string
+        elif reason == FINISH_STOP:
+            if msg.HasField("stop_token_id"):
+                final.stop_token_id = msg.stop_token_id
+            elif out.token_ids:
+                final.stop_token_id = out.token_ids[-1]
+        return chunk, final
+
+    def _usage(self, prepared: PreparedRequest, emitted: list[int], acct: _Accounting) -> common_pb2.Usage:
+        completion = len(emitted)
+        return common_pb2.Usage(
+            prompt_tokens=len(prepared.prompt_ids),
+            completion_tokens=completion,
+            cached_prompt_tokens=acct.cached_prompt or 0,
+            drafted_tokens=acct.drafted,
+            accepted_tokens=min(acct.accepted, acct.drafted),
+            num_steps=acct.steps,
+            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
+        )
+
+
+def _set_final(response: Any, final: Final) -> None:
+    response.finish_reason = final.finish_reason
+    response.usage.CopyFrom(final.usage)
+    if final.stop_string is not None:
+        response.stop_string = final.stop_string
+    elif final.stop_token_id is not None:
+        response.stop_token_id = final.stop_token_id
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
+    if isinstance(err, VerifierError):
+        code, message = err.code, err.details  # the verifier's status, unchanged
+    else:
+        code, message = grpc_status_for(err)
+    await context.abort(code, message)

@@ -1,0 +1,63 @@
+"""The proposer's configuration: flags and SPECDEC_* environment variables (see shared/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+KINDS = ("draft-model", "ngram")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class ProposerConfig:
+    """specdec proposer: drafts tokens for a verifier over one bidi gRPC stream per verifier."""
+
+    model: str = field(
+        default="",
+        metadata={"help": "draft model: HF hub id, HF folder or .gguf (default: the repository's draft model)"},
+    )
+    kind: str = field(default="draft-model", metadata={"help": "drafting method: draft-model or ngram"})
+    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    port: int = field(default=50053, metadata={"help": "port to listen on (0: any free port)"})
+    max_k: int = field(default=16, metadata={"help": "largest draft length per sequence per step (larger k clamped)"})
+    max_num_seqs: int = field(default=64, metadata={"help": "sequences whose draft KV the cache holds at once"})
+    max_model_len: int = field(
+        default=2048, metadata={"help": "context length of the draft model (clamped to the model's own)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per draft KV cache block"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "draft KV cache blocks (default: max_num_seqs full-length sequences)"}
+    )
+    draft_top_n: int = field(
+        default=64, metadata={"help": "sampled drafts come from the draft model's top-n tokens (sent sparse)"}
+    )
+    ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
+    ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel degree of the draft model"})
+    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    grace_period_s: float = field(default=5.0, metadata={"help": "on SIGTERM, seconds to let open streams finish"})
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
+                "the proposer runs its draft model on one device (use 1)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        for name in ("max_k", "max_num_seqs", "max_model_len", "block_size", "draft_top_n"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.grace_period_s < 0:
+            raise ValueError(f"--grace-period-s must be >= 0, got {self.grace_period_s}")

@@ -1,0 +1,389 @@
+"""The proposer service: a thin gRPC layer over a Drafter (draft model or n-gram).
+
+One bidi `Propose` stream per verifier. Sequence state is scoped to the stream: seq ids are namespaced per
+stream inside the (shared) drafter and everything a stream created is released when it ends, so a new
+stream starts clean. Each request message is drafted with ONE `drafter.propose` call (the draft model
+batches all its sequences into one forward per draft position), off the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import logging
+import math
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from proposer_service.config import ProposerConfig
+from proposer_service.drafter import Draft, Drafter, DraftRequest
+from shared.config import load_config
+from shared.errors import InvalidRequestError, grpc_status_for
+from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("specdec.proposer")
+
+SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
+KIND_TO_PROTO = {"draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL, "ngram": proposer_pb2.PROPOSER_KIND_NGRAM}
+
+
+@dataclass(frozen=True)
+class ProposerInfo:
+    """What GetInfo reports; also bounds what the servicer asks of the drafter."""
+
+    kind: str  # "draft-model" or "ngram"
+    model: str = ""
+    vocab_size: int = 0  # 0: any vocabulary (n-gram only proposes ids it has seen)
+    tokenizer_fingerprint: str = ""
+    max_k: int = 16
+    max_model_len: int = 0  # 0: unlimited
+
+    def to_proto(self) -> proposer_pb2.GetInfoResponse:
+        return proposer_pb2.GetInfoResponse(
+            kind=KIND_TO_PROTO.get(self.kind, proposer_pb2.PROPOSER_KIND_UNSPECIFIED),
+            model=self.model,
+            vocab_size=self.vocab_size,
+            tokenizer_fingerprint=self.tokenizer_fingerprint,
+            max_k=self.max_k,
+            max_model_len=self.max_model_len,
+        )
+
+
+# ---- proto <-> domain ---------------------------------------------------------------------------
+
+
+def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take the defaults of shared/sampling.py."""
+    base = SamplingParams()
+    return SamplingParams(
+        temperature=msg.temperature if msg.HasField("temperature") else base.temperature,
+        top_k=msg.top_k if msg.HasField("top_k") else base.top_k,
+        top_p=msg.top_p if msg.HasField("top_p") else base.top_p,
+        min_p=msg.min_p if msg.HasField("min_p") else base.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+    )
+
+
+def _params_usable(params: SamplingParams) -> bool:
+    floats = (params.temperature, params.top_p, params.min_p)
+    if not all(math.isfinite(x) for x in floats):
+        return False
+    try:
+        params.validate()
+    except ValueError:
+        return False
+    return True
+
+
+def pack_draft(seq_id: str, draft: Draft) -> proposer_pb2.Draft:
+    """Domain draft -> wire draft; sparse probabilities flattened, zero-probability entries left out."""
+    msg = proposer_pb2.Draft(
+        seq_id=seq_id,
+        committed_len=draft.committed_len,
+        draft_token_ids=draft.token_ids,
+        needs_resync=draft.needs_resync,
+    )
+    k = len(draft.token_ids)
+    if draft.probs is not None and k:
+        ids = draft.probs.token_ids[:k].reshape(k, -1)  # [k, n]
+        probs = draft.probs.probs[:k].reshape(k, -1).float()  # [k, n]
+        keep = probs > 0
+        msg.draft_prob_token_ids.extend(ids[keep].tolist())  # row-major: position by position
+        msg.draft_probs.extend(probs[keep].tolist())  # float32 values, exact on the wire
+        msg.draft_prob_counts.extend(keep.sum(dim=1).tolist())
+    return msg
+
+
+# ---- the servicer -------------------------------------------------------------------------------
+
+
+@dataclass
+class _StreamState:
+    number: int
+    live: set[str]  # wire seq ids with state in the drafter
+    blocked: set[str]  # wire seq ids that carried ids outside the vocabulary: never drafted
+
+    def key(self, seq_id: str) -> str:
+        return f"s{self.number}/{seq_id}"
+
+
+class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
+    def __init__(self, drafter: Drafter, info: ProposerInfo) -> None:
+        self.drafter = drafter
+        self.info = info
+        self._drafter_lock = threading.Lock()  # the drafter is not thread-safe; held by worker threads only
+        self._stream_numbers = itertools.count(1)
+        self._pending_release: list[str] = []
+        self._inflight = 0  # messages being drafted
+        self._idle = asyncio.Event()
+        self._idle.set()
+        # counters
+        self.open_streams = 0
+        self.drafter_calls = 0
+        self.messages = 0
+
+    async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        return self.info.to_proto()
+
+    async def Propose(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[proposer_pb2.ProposeRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[proposer_pb2.ProposeResponse]:
+        stream = _StreamState(next(self._stream_numbers), set(), set())
+        self.open_streams += 1
+        log.info("propose stream opened stream=%d peer=%s", stream.number, context.peer())
+        try:
+            async for request in request_iterator:
+                self._inflight += 1
+                self._idle.clear()
+                try:
+                    response = await self._answer(request, stream)
+                except InvalidRequestError as err:
+                    code, message = grpc_status_for(err)
+                    log.warning("propose stream=%d rejected a message: %s", stream.number, message)
+                    await context.abort(code, message)
+                finally:
+                    self._inflight -= 1
+                    if not self._inflight:
+                        self._idle.set()
+                yield response
+        finally:
+            self.open_streams -= 1
+            self._pending_release.extend(stream.key(s) for s in stream.live)
+            log.info("propose stream closed stream=%d sequences_released=%d", stream.number, len(stream.live))
+            try:
+                await asyncio.to_thread(self._locked_call, [], [])  # applies the pending releases
+            except BaseException:  # cancelled during shutdown: the drafter goes away with the process
+                pass
+
+    async def wait_idle(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+            return True
+        except TimeoutError:
+            return False
+
+    async def _answer(self, request: proposer_pb2.ProposeRequest, stream: _StreamState) -> proposer_pb2.ProposeResponse:
+        self.messages += 1
+        releases = []
+        for seq_id in request.release_seq_ids:
+            stream.blocked.discard(seq_id)
+            if seq_id in stream.live:
+                stream.live.discard(seq_id)
+                releases.append(stream.key(seq_id))
+        answers: list[Draft | None] = []  # None: filled in by the drafter
+        to_draft: list[DraftRequest] = []
+        seen: set[str] = set()
+        for seq in request.sequences:
+            if not seq.seq_id or seq.seq_id in seen:
+                raise InvalidRequestError(f"seq_id {seq.seq_id!r} is empty or appears twice in step {request.step_id}")
+            seen.add(seq.seq_id)
+            answer = self._precheck(seq, stream, releases)
+            answers.append(answer)
+            if answer is None:
+                to_draft.append(self._to_domain(seq, stream))
+                stream.live.add(seq.seq_id)
+        drafts = iter(await self._draft(releases, to_draft))
+        response = proposer_pb2.ProposeResponse(step_id=request.step_id)
+        for seq, answer in zip(request.sequences, answers, strict=True):
+            draft = answer if answer is not None else next(drafts)
+            response.drafts.append(pack_draft(seq.seq_id, draft))
+        return response
+
+    def _precheck(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState, releases: list[str]) -> Draft | None:
+        """An answer that needs no drafter call, or None."""
+        n = len(seq.new_token_ids)
+        if (seq.full_sequence and n != seq.committed_len) or seq.committed_len < n:
+            # Inconsistent message: forget the sequence; the verifier resends it whole.
+            if seq.seq_id in stream.live:
+                stream.live.discard(seq.seq_id)
+                releases.append(stream.key(seq.seq_id))
+            return Draft(seq.seq_id, seq.committed_len, [], needs_resync=True)
+        vocab = self.info.vocab_size
+        if vocab and any(not 0 <= t < vocab for t in seq.new_token_ids):
+            log.warning(
+                "sequence %s carries token ids outside the draft vocabulary [0, %d): not drafted", seq.seq_id, vocab
+            )
+            stream.blocked.add(seq.seq_id)
+        if seq.seq_id in stream.blocked:
+            if seq.seq_id in stream.live:
+                stream.live.discard(seq.seq_id)
+                releases.append(stream.key(seq.seq_id))
+            return Draft(seq.seq_id, seq.committed_len, [])
+        return None
+
+    def _to_domain(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState) -> DraftRequest:
+        params = params_from_proto(seq.sampling_params)
+        k = min(seq.k, self.info.max_k)
+        if self.info.max_model_len:
+            k = min(k, max(0, self.info.max_model_len - seq.committed_len))
+        if not _params_usable(params):
+            params, k = SamplingParams(), 0  # keep the history in step, draft nothing
+        return DraftRequest(stream.key(seq.seq_id), seq.committed_len, list(seq.new_token_ids), k, params)
+
+    async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
+        if not requests and not releases:
+            return []
+        try:
+            drafts = await asyncio.to_thread(self._locked_call, releases, requests)
+            if len(drafts) != len(requests):
+                raise RuntimeError(f"drafter returned {len(drafts)} drafts for {len(requests)} sequences")
+        except Exception:
+            log.exception("drafting failed for %d sequences; they resync", len(requests))
+            self._pending_release.extend(r.seq_id for r in requests)  # their state may be half-updated
+            drafts = [Draft(r.seq_id, r.committed_len, [], needs_resync=True) for r in requests]
+        return drafts
+
+    def _locked_call(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
+        """Runs in a worker thread: releases (pending ones first), then one batched propose."""
+        with self._drafter_lock:
+            pending, self._pending_release[:] = list(self._pending_release), []
+            if pending or releases:
+                self.drafter.release([*pending, *releases])
+            if not requests:
+                return []
+            self.drafter_calls += 1
+            return self.drafter.propose(requests)
+
+
+# ---- building and serving -----------------------------------------------------------------------
+
+
+def tokenizer_fingerprint(name_or_path: str) -> str:
+    """sha256 of the token -> id mapping of a local model folder's tokenizer.json; "" when there is none.
+
+    Only local files are read (never the hub, never a GGUF parse): an unknown fingerprint is not checked.
+    """
+    from shared.model.loader import ModelSource
+
+    try:
+        folder = Path(ModelSource.resolve(name_or_path).name_or_path)
+    except (FileNotFoundError, OSError):
+        return ""
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return ""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        vocab = dict(data.get("model", {}).get("vocab") or {})
+        for token in data.get("added_tokens") or []:
+            vocab[token["content"]] = token["id"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return ""
+    if not vocab or not isinstance(vocab, dict):
+        return ""
+    payload = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
+    return hashlib.sha256(payload).hexdigest()[:32]
+
+
+def resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
+    """Load the draft model (kind draft-model) or make an n-gram drafter."""
+    if config.kind == "ngram":
+        from proposer_service.ngram import NgramDrafter
+
+        info = ProposerInfo("ngram", "", 0, "", config.max_k, 0)
+        return NgramDrafter(config.ngram_max, config.ngram_min), info
+
+    import torch
+
+    from proposer_service.draft_model import DraftModelDrafter
+    from shared.kv.block_manager import BlockManager
+    from shared.model.loader import load_model
+    from shared.settings import default_draft_model
+    from verifier_service.builder import CacheConfig, default_num_blocks, make_runner
+    from verifier_service.engine import EngineConfig
+
+    name = config.model or default_draft_model()
+    started = time.monotonic()
+    model, arch = load_model(name, getattr(torch, config.dtype), resolve_device(config.device))
+    max_model_len = min(config.max_model_len, arch.max_position_embeddings)
+    cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
+    sizing = EngineConfig(
+        num_speculative_tokens=config.max_k, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len
+    )
+    num_blocks = default_num_blocks(sizing, cache)
+    runner = make_runner(model, arch, num_blocks, cache)
+    drafter = DraftModelDrafter(runner, BlockManager(num_blocks, config.block_size), top_n=config.draft_top_n)
+    info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
+    log.info(
+        "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d seconds=%.1f",
+        name,
+        arch.vocab_size,
+        arch.num_layers,
+        num_blocks,
+        config.block_size,
+        time.monotonic() - started,
+    )
+    return drafter, info
+
+
+class ProposerServer:
+    """A running proposer: gRPC server, servicer, health."""
+
+    def __init__(self, server: grpc.aio.Server, servicer: ProposerServicer, health, port: int) -> None:
+        self.server = server
+        self.servicer = servicer
+        self.health = health
+        self.port = port
+
+    @classmethod
+    async def start(
+        cls, config: ProposerConfig, drafter: Drafter | None = None, info: ProposerInfo | None = None
+    ) -> ProposerServer:
+        if drafter is None or info is None:
+            drafter, info = await asyncio.to_thread(build_drafter, config)
+        servicer = ProposerServicer(drafter, info)
+        server = new_server()
+        proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if not port:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        await server.start()
+        await set_serving(health, [SERVICE_NAME], True)
+        log.info("proposer serving host=%s port=%d kind=%s model=%s", config.host, port, info.kind, info.model)
+        return cls(server, servicer, health, port)
+
+    async def shutdown(self, grace_s: float) -> None:
+        """NOT_SERVING, let the batches being drafted finish (at most grace_s), then close every stream."""
+        log.info("proposer shutting down grace_s=%.1f open_streams=%d", grace_s, self.servicer.open_streams)
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.servicer.wait_idle(grace_s)
+        await self.server.stop(0.5)
+        log.info("proposer stopped")
+
+
+async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], None] | None = None) -> None:
+    stop = asyncio.Event()
+    install_sigterm(stop)
+    server = await ProposerServer.start(config)
+    if on_ready is not None:
+        on_ready(server)
+    await stop.wait()
+    await server.shutdown(config.grace_period_s)
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(ProposerConfig, argv)
+    setup_logging(config.log_level)
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,14 @@
+"""Session-wide test settings. Keep this file small: shared fixtures only."""
+
+from __future__ import annotations
+
+import os
+
+# The machine is offline and has 2 cores shared with other jobs. Busy-waiting OpenMP threads make small
+# ops many times slower when the cores are contended; set before torch loads its OpenMP runtime.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(2)

@@ -1,0 +1,545 @@
+"""The gateway as a real grpc.aio server on loopback, in front of FAKE verifiers (scripted token streams).
+
+The fakes isolate the gateway: they stream token ids the test chooses, report health through the
+standard grpc.health.v1 service, can fail mid-stream, hang until cancelled, or return error statuses.
+The default fake is a "counting model": the token at absolute position p is 1000 + p, so a request
+resumed elsewhere must produce exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from gateway import health_probe
+from gateway.config import GatewayConfig, load_gateway_config
+from gateway.router import rendezvous_order, rendezvous_pick
+from gateway.server import RunningGateway, start_gateway
+from shared.grpc_server import add_health_and_reflection, new_server, set_serving
+from shared.model.loader import load_tokenizer
+from shared.proto_gen.specdec.v1 import (
+    common_pb2,
+    gateway_pb2,
+    gateway_pb2_grpc,
+    verifier_pb2,
+    verifier_pb2_grpc,
+)
+from shared.settings import default_target_model
+
+pytestmark = pytest.mark.timeout(60)
+
+VERIFIER_SERVICE = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+STOP, LENGTH = common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH
+MAX_MODEL_LEN = 64
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(default_target_model())
+
+
+def counting(prompt_len: int, n: int) -> list[int]:
+    return [1000 + prompt_len + i for i in range(n)]
+
+
+@dataclass
+class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
+    name: str
+    script: Callable[[verifier_pb2.VerifierGenerateRequest], list[list[int]]] | None = None
+    chunk_size: int = 2
+    finish_reason: int = LENGTH
+    stop_token_id: int | None = None
+    hang: bool = False  # after the script: keep the stream open until cancelled
+    fail_after: int | None = None  # abort with UNAVAILABLE once this many tokens were sent
+    error: tuple[grpc.StatusCode, str] | None = None  # abort at once with this status
+    delay: float = 0.0
+    failures_left: dict[str, int] = field(default_factory=lambda: {"n": 1 << 30})  # may be shared between fakes
+    requests: list[verifier_pb2.VerifierGenerateRequest] = field(default_factory=list)
+    cancelled: asyncio.Event = field(default_factory=asyncio.Event)
+    active: int = 0
+    time_remaining: list[float | None] = field(default_factory=list)
+
+    def chunks(self, request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
+        if self.script is not None:
+            return self.script(request)
+        ids = counting(len(request.prompt_token_ids), request.max_tokens)
+        return [ids[i : i + self.chunk_size] for i in range(0, len(ids), self.chunk_size)]
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        self.time_remaining.append(context.time_remaining())
+        self.active += 1
+        try:
+            if self.error is not None:
+                await context.abort(*self.error)
+            chunks = self.chunks(request)
+            sent = 0
+            for i, chunk in enumerate(chunks):
+                if self.fail_after is not None and sent >= self.fail_after and self.failures_left["n"] > 0:
+                    self.failures_left["n"] -= 1
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is going down")
+                msg = verifier_pb2.VerifierGenerateResponse(token_ids=chunk)
+                sent += len(chunk)
+                steps = i + 1
+                if i == len(chunks) - 1 and not self.hang:
+                    msg.finish_reason = self.finish_reason
+                    if self.stop_token_id is not None:
+                        msg.stop_token_id = self.stop_token_id
+                    # Pretend 3 drafts per step, all but the bonus token accepted.
+                    msg.usage.CopyFrom(
+                        common_pb2.Usage(
+                            prompt_tokens=len(request.prompt_token_ids),
+                            completion_tokens=sent,
+                            drafted_tokens=3 * steps,
+                            accepted_tokens=sent - steps,
+                            num_steps=steps,
+                            mean_accepted_length=sent / steps,
+                        )
+                    )
+                await context.write(msg)
+                if self.delay:
+                    await asyncio.sleep(self.delay)
+            if self.hang:
+                await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+        finally:
+            self.active -= 1
+
+    async def GetStats(self, request, context):
+        return verifier_pb2.VerifierGetStatsResponse(
+            stats=common_pb2.EngineStats(running_requests=self.active),
+            model="fake",
+            max_model_len=MAX_MODEL_LEN,
+            vocab_size=49152,
+        )
+
+
+@dataclass
+class FakeServer:
+    fake: FakeVerifier
+    server: grpc.aio.Server
+    health: Any
+    address: str
+
+    async def set_serving(self, serving: bool) -> None:
+        await set_serving(self.health, [VERIFIER_SERVICE], serving)
+
+
+async def start_fake(name: str = "v", **kwargs: Any) -> FakeServer:
+    fake = FakeVerifier(name, **kwargs)
+    server = new_server()
+    verifier_pb2_grpc.add_VerifierServicer_to_server(fake, server)
+    health = add_health_and_reflection(server, [VERIFIER_SERVICE])
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    fs = FakeServer(fake, server, health, f"127.0.0.1:{port}")
+    await fs.set_serving(True)
+    return fs
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Harness:
+    def __init__(self, tokenizer: Any, fakes: list[FakeServer], extra: list[str] | None = None, **config: Any):
+        self.tokenizer = tokenizer
+        self.fakes = fakes
+        self.verifiers = tuple(f.address for f in fakes) + tuple(extra or ())
+        self.config = GatewayConfig(
+            verifiers=self.verifiers,
+            host="127.0.0.1",
+            port=0,
+            health_check_interval_s=0.1,
+            health_check_timeout_s=0.5,
+            drain_timeout_s=0.5,
+            **config,
+        )
+        self.gateway: RunningGateway
+        self.channel: grpc.aio.Channel
+        self.stub: gateway_pb2_grpc.GatewayStub
+
+    async def __aenter__(self) -> Harness:
+        self.gateway = await start_gateway(self.config, tokenizer=self.tokenizer)
+        self.channel = grpc.aio.insecure_channel(self.gateway.address)
+        self.stub = gateway_pb2_grpc.GatewayStub(self.channel)
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.channel.close()
+        await self.gateway.stop(0)
+        for f in self.fakes:
+            await f.server.stop(0)
+
+    async def generate(self, **fields: Any) -> list[gateway_pb2.GenerateResponse]:
+        timeout = fields.pop("timeout", 10)
+        return [r async for r in self.stub.Generate(gateway_pb2.GenerateRequest(**fields), timeout=timeout)]
+
+    async def backend_of(self, fs: FakeServer) -> Any:
+        stats = await self.stub.GetStats(gateway_pb2.GetStatsRequest())
+        return next(b for b in stats.backends if b.address == fs.address)
+
+    async def wait_healthy(self, fs: FakeServer, healthy: bool, timeout: float = 5.0) -> None:
+        async def poll() -> None:
+            while (await self.backend_of(fs)).healthy != healthy:
+                await asyncio.sleep(0.05)
+
+        await asyncio.wait_for(poll(), timeout)
+
+
+def run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def joined(responses: list[gateway_pb2.GenerateResponse]) -> tuple[list[int], str]:
+    return [t for r in responses for t in r.token_ids], "".join(r.text for r in responses)
+
+
+async def expect_error(awaitable: Any, code: grpc.StatusCode, match: str) -> str:
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await awaitable
+    assert info.value.code() == code, info.value.details()
+    assert match in info.value.details(), info.value.details()
+    return info.value.details()
+
+
+# -- streaming, text, usage ----------------------------------------------------------------------------
+
+
+def test_streams_utf8_safe_text_one_token_at_a_time(tokenizer):
+    text = "Hello 😀 世界! naïve 你好🎉 done"
+    ids = tokenizer.encode(text)
+
+    async def scenario() -> None:
+        fs = await start_fake(script=lambda req: [[t] for t in ids], finish_reason=STOP, stop_token_id=2)
+        async with Harness(tokenizer, [fs]) as h:
+            responses = await h.generate(prompt="Say hi", temperature=0.5, top_p=0.9, seed=7, request_id="r1")
+            got_ids, got_text = joined(responses)
+            assert got_ids == ids
+            assert got_text == text
+            assert all("\ufffd" not in r.text for r in responses)
+            assert any(r.token_ids and not r.text for r in responses)  # held back: a partial character
+            assert len(responses) == len(ids)  # one message per verifier message
+            assert {r.request_id for r in responses} == {"r1"}
+            last = responses[-1]
+            assert [r.finish_reason for r in responses[:-1]] == [0] * (len(responses) - 1)
+            assert last.finish_reason == STOP and last.stop_token_id == 2
+            prompt_ids = tokenizer.encode("Say hi")
+            assert last.usage.prompt_tokens == len(prompt_ids)
+            assert last.usage.completion_tokens == len(ids)
+            assert last.usage.drafted_tokens == 3 * len(ids) and last.usage.accepted_tokens == 0
+            assert last.usage.num_steps == len(ids) and last.usage.mean_accepted_length == 1.0
+            # The verifier gets token ids, every sampling field explicitly, and the defaults resolved.
+            req = fs.fake.requests[0]
+            assert list(req.prompt_token_ids) == prompt_ids
+            assert req.request_id == "r1" and req.max_tokens == 128
+            sp = req.sampling_params
+            assert sp.HasField("top_k") and sp.HasField("min_p") and sp.seed == 7
+            assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
+
+    run(scenario())
+
+
+def test_complete_returns_the_whole_completion(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h:
+            resp = await h.stub.Complete(gateway_pb2.CompleteRequest(prompt_token_ids=[1, 2, 3], max_tokens=9))
+            expected = counting(3, 9)
+            assert list(resp.token_ids) == expected
+            assert resp.text == tokenizer.decode(expected, clean_up_tokenization_spaces=False)
+            assert resp.finish_reason == LENGTH and resp.request_id
+            assert resp.usage.completion_tokens == 9 and resp.usage.num_steps == 5
+            assert resp.usage.drafted_tokens == 15 and resp.usage.accepted_tokens == 4
+
+    run(scenario())
+
+
+def test_stop_string_truncates_text_and_cancels_the_verifier_call(tokenizer):
+    ids = tokenizer.encode("The answer is 42. END of story, and more text")
+
+    async def scenario() -> None:
+        fs = await start_fake(script=lambda req: [[t] for t in ids], hang=True)
+        async with Harness(tokenizer, [fs]) as h:
+            responses = await h.generate(prompt="Q", stop=["END", "never"])
+            got_ids, got_text = joined(responses)
+            assert got_text == "The answer is 42. "
+            last = responses[-1]
+            assert last.finish_reason == STOP and last.stop_string == "END"
+            # Token ids up to the one that completed the stop string are reported, none after it.
+            assert got_ids == ids[: len(got_ids)] and len(got_ids) < len(ids)
+            assert "END" in tokenizer.decode(got_ids)
+            assert "END" not in tokenizer.decode(got_ids[:-1])
+            assert last.usage.completion_tokens == len(got_ids)
+            await asyncio.wait_for(fs.fake.cancelled.wait(), 5)
+            # Text that could begin the stop string was held back, never sent and then taken back.
+            assert not any(r.text.endswith(("E", "EN")) for r in responses)
+
+    run(scenario())
+
+
+# -- bad input -----------------------------------------------------------------------------------------
+
+BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
+    ({}, "prompt is empty"),
+    ({"prompt": "hi", "prompt_token_ids": [1]}, "exactly one of prompt and prompt_token_ids"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens must be at least 1"),
+    ({"prompt": "hi", "max_tokens": 100_000}, "max_tokens must be at most 32768"),
+    ({"prompt": "hi", "max_tokens": 65}, f"max_tokens must be at most {MAX_MODEL_LEN} (the model's context length)"),
+    ({"prompt": "hi", "temperature": -0.5}, "temperature must be >= 0"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature must be a finite number"),
+    ({"prompt": "hi", "top_p": 0.0}, "top_p must be in (0, 1]"),
+    ({"prompt": "hi", "top_p": 1.5}, "top_p must be in (0, 1]"),
+    ({"prompt": "hi", "top_k": -1}, "top_k must be >= 0"),
+    ({"prompt": "hi", "min_p": 2.0}, "min_p must be in [0, 1]"),
+    ({"prompt_token_ids": [1, 49152]}, "outside the vocabulary [0, 49152)"),
+    ({"prompt_token_ids": [-3, 5]}, "outside the vocabulary"),
+    ({"prompt": "hi", "stop_token_ids": [99999]}, "stop_token_ids [99999] are outside the vocabulary"),
+    ({"prompt": "hi", "stop": ["ok", ""]}, "stop string 1 is empty"),
+    ({"prompt": "hi", "stop": [str(i) for i in range(17)]}, "at most 16 stop strings"),
+    ({"prompt": "hi", "stop": ["x" * 257]}, "stop string 0 has 257 characters; the limit is 256"),
+    ({"prompt": "hi", "stop_token_ids": list(range(65))}, "at most 64 stop token ids"),
+    ({"prompt_token_ids": [5] * MAX_MODEL_LEN}, f"the prompt has {MAX_MODEL_LEN} tokens; the context limit is"),
+]
+
+
+def test_bad_input_is_invalid_argument_and_leaves_running_requests_alone(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(delay=0.02)
+        async with Harness(tokenizer, [fs]) as h:
+            running = asyncio.create_task(h.generate(prompt_token_ids=[1, 2], max_tokens=40))
+            await asyncio.sleep(0.05)
+            for fields, message in BAD_REQUESTS:
+                await expect_error(h.generate(**fields), grpc.StatusCode.INVALID_ARGUMENT, message)
+                await expect_error(
+                    h.stub.Complete(gateway_pb2.CompleteRequest(**fields)), grpc.StatusCode.INVALID_ARGUMENT, message
+                )
+            assert not running.done()
+            ids, _ = joined(await running)
+            assert ids == counting(2, 40)
+            assert len(fs.fake.requests) == 1  # no bad request reached the verifier
+
+    run(scenario())
+
+
+def test_verifier_errors_pass_through_unchanged(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h:
+            for code, message in [
+                (grpc.StatusCode.RESOURCE_EXHAUSTED, "64 requests are already waiting; retry later"),
+                (grpc.StatusCode.INVALID_ARGUMENT, "the prompt has 9000 tokens; the context limit is 8192"),
+            ]:
+                fs.fake.error = (code, message)
+                details = await expect_error(h.generate(prompt="hi"), code, message)
+                assert details == message
+            fs.fake.error = None
+            assert joined(await h.generate(prompt_token_ids=[7], max_tokens=3))[0] == counting(1, 3)
+
+    run(scenario())
+
+
+# -- health and availability ---------------------------------------------------------------------------
+
+
+def test_unavailable_when_the_only_verifier_is_down_or_unhealthy(tokenizer):
+    async def scenario() -> None:
+        down = f"127.0.0.1:{free_port()}"  # nothing listens there
+        async with Harness(tokenizer, [], extra=[down]) as h:
+            await expect_error(h.generate(prompt="hi"), grpc.StatusCode.UNAVAILABLE, "no healthy verifier")
+            await expect_error(
+                h.stub.Complete(gateway_pb2.CompleteRequest(prompt="hi")),
+                grpc.StatusCode.UNAVAILABLE,
+                "0 of 1 configured verifier",
+            )
+            # Bad input is still reported as bad input.
+            await expect_error(h.generate(prompt=""), grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h:
+            assert joined(await h.generate(prompt_token_ids=[1], max_tokens=2))[0] == counting(1, 2)
+            await fs.set_serving(False)
+            await h.wait_healthy(fs, False)
+            await expect_error(h.generate(prompt="hi"), grpc.StatusCode.UNAVAILABLE, "no healthy verifier")
+            await fs.set_serving(True)
+            await h.wait_healthy(fs, True)
+            assert joined(await h.generate(prompt_token_ids=[1], max_tokens=2))[0] == counting(1, 2)
+
+    run(scenario())
+
+
+def test_gateway_health_reflection_stats_and_probe(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h:
+            assert await asyncio.to_thread(health_probe.main, [h.gateway.address]) == 0
+            assert await asyncio.to_thread(health_probe.main, [fs.address, "--service", VERIFIER_SERVICE]) == 0
+            assert await asyncio.to_thread(health_probe.main, [f"127.0.0.1:{free_port()}"]) == 1
+            await h.generate(prompt_token_ids=[1], max_tokens=2)
+            stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
+            assert stats.total_requests == 1 and stats.active_requests == 0
+            (backend,) = stats.backends
+            assert backend.address == fs.address and backend.healthy and backend.HasField("engine")
+
+    run(scenario())
+
+
+# -- routing -------------------------------------------------------------------------------------------
+
+
+def test_sessions_stick_to_one_verifier_and_only_a_lost_verifiers_sessions_move(tokenizer):
+    sessions = [f"chat-{i}" for i in range(12)]
+
+    async def scenario() -> None:
+        fakes = [await start_fake(f"v{i}") for i in range(3)]
+        by_address = {f.address: f for f in fakes}
+        async with Harness(tokenizer, fakes) as h:
+
+            async def where(session: str) -> str:
+                before = {a: len(f.fake.requests) for a, f in by_address.items()}
+                await h.generate(prompt_token_ids=[1, 2], max_tokens=1, session_id=session)
+                (address,) = [a for a, f in by_address.items() if len(f.fake.requests) > before[a]]
+                assert by_address[address].fake.requests[-1].session_id == session
+                return address
+
+            first = {s: await where(s) for s in sessions}
+            assert len(set(first.values())) >= 2
+            assert first == {s: rendezvous_pick(s, h.verifiers) for s in sessions}
+            assert {s: await where(s) for s in sessions} == first  # sticky
+
+            lost = fakes[0]
+            await lost.server.stop(0)
+            await h.wait_healthy(lost, False)
+            after = {s: await where(s) for s in sessions}
+            for s in sessions:
+                if first[s] == lost.address:
+                    assert after[s] == rendezvous_order(s, h.verifiers)[1]
+                else:
+                    assert after[s] == first[s]
+
+    run(scenario())
+
+
+def test_requests_without_session_go_to_the_least_loaded_verifier(tokenizer):
+    async def scenario() -> None:
+        fakes = [await start_fake(f"v{i}", hang=True) for i in range(3)]
+        async with Harness(tokenizer, fakes) as h:
+
+            async def open_stream() -> tuple[Any, str]:
+                call = h.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[1], max_tokens=4))
+                first = await call.read()  # the request is now running on some verifier
+                return call, first.request_id
+
+            opened = [await open_stream() for _ in range(3)]
+            calls = {request_id: call for call, request_id in opened}
+            assert [f.fake.active for f in fakes] == [1, 1, 1]  # one each
+            # Free the middle verifier: the next request must go there.
+            freed = fakes[1]
+            calls.pop(freed.fake.requests[0].request_id).cancel()
+            await asyncio.wait_for(freed.fake.cancelled.wait(), 5)
+            while (await h.backend_of(freed)).active_requests:
+                await asyncio.sleep(0.01)
+            call, request_id = await open_stream()
+            assert freed.fake.requests[-1].request_id == request_id
+            assert [f.fake.active for f in fakes] == [1, 1, 1]
+            for c in [*calls.values(), call]:
+                c.cancel()
+
+    run(scenario())
+
+
+# -- cancellation, deadlines -----------------------------------------------------------------------------
+
+
+def test_client_cancellation_cancels_the_verifier_call(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(hang=True)
+        async with Harness(tokenizer, [fs]) as h:
+            call = h.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=10))
+            first = await call.read()
+            assert list(first.token_ids) == counting(2, 2)
+            call.cancel()
+            await asyncio.wait_for(fs.fake.cancelled.wait(), 5)
+            stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
+            assert stats.active_requests == 0 and stats.backends[0].active_requests == 0
+
+    run(scenario())
+
+
+def test_deadline_is_passed_to_the_verifier_and_enforced(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(hang=True)
+        async with Harness(tokenizer, [fs]) as h:
+            await expect_error(
+                h.generate(prompt_token_ids=[1], max_tokens=10, timeout=0.5), grpc.StatusCode.DEADLINE_EXCEEDED, ""
+            )
+            await asyncio.wait_for(fs.fake.cancelled.wait(), 5)
+            (remaining,) = fs.fake.time_remaining
+            assert remaining is not None and remaining <= 0.5
+
+    run(scenario())
+
+
+# -- resume after a verifier failure ---------------------------------------------------------------------
+
+
+def test_request_resumes_on_another_verifier_when_its_verifier_dies(tokenizer):
+    async def scenario() -> None:
+        once = {"n": 1}  # exactly one verifier call fails, whichever verifier gets the request first
+        fakes = [await start_fake(f"v{i}", fail_after=5, failures_left=once) for i in range(2)]
+        async with Harness(tokenizer, fakes) as h:
+            prompt = [1, 2, 3]
+            responses = await h.generate(prompt_token_ids=prompt, max_tokens=20, session_id="s")
+            ids, text = joined(responses)
+            assert ids == counting(len(prompt), 20)  # the concatenation, as if nothing had happened
+            assert text == tokenizer.decode(ids, clean_up_tokenization_spaces=False)
+            last = responses[-1]
+            assert last.finish_reason == LENGTH and last.usage.completion_tokens == 20
+            assert last.usage.prompt_tokens == len(prompt)
+            first_try, resumed = sorted(
+                (r for f in fakes for r in f.fake.requests), key=lambda r: len(r.prompt_token_ids)
+            )
+            assert list(first_try.prompt_token_ids) == prompt and first_try.max_tokens == 20
+            assert list(resumed.prompt_token_ids) == prompt + ids[:6]  # 3 chunks of 2 were sent before the failure
+            assert resumed.max_tokens == 14
+            assert resumed.request_id == first_try.request_id
+            stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
+            assert stats.resumed_requests == 1
+
+    run(scenario())
+
+
+def test_failure_with_no_other_verifier_is_unavailable(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(fail_after=4)
+        async with Harness(tokenizer, [fs]) as h:
+            call = h.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[1], max_tokens=10))
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for r in call:
+                    received.extend(r.token_ids)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert received == counting(1, 4)
+
+    run(scenario())
+
+
+# -- config ----------------------------------------------------------------------------------------------
+
+
+def test_config_from_flags_and_environment(monkeypatch):
+    monkeypatch.setenv("SPECDEC_MAX_RESUMES", "5")
+    cfg = load_gateway_config(["--verifiers", "a:1, b:2", "--tokenizer", "/tok", "--port", "6000"])
+    assert cfg.verifiers == ("a:1", "b:2") and cfg.tokenizer == "/tok" and cfg.port == 6000 and cfg.max_resumes == 5
+    with pytest.raises(SystemExit):
+        load_gateway_config(["--verifiers", "nohostport"])

@@ -1,0 +1,354 @@
+"""The proposer service over real grpc.aio on loopback, with a tiny random-weight draft model."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from proposer_service.config import ProposerConfig
+from proposer_service.draft_model import DraftModelDrafter
+from proposer_service.drafter import Draft, DraftRequest
+from proposer_service.ngram import NgramDrafter
+from proposer_service.server import ProposerInfo, ProposerServer, pack_draft
+from shared.config import load_config
+from shared.model.config import ModelArch
+from shared.model.loader import build_model
+from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
+from shared.sampling import SamplingParams
+from verifier_service.builder import CacheConfig, make_draft_model_drafter
+from verifier_service.engine import EngineConfig
+from verifier_service.rejection_sampler import sparse_to_dense_draft_probs
+from verifier_service.remote_proposer import params_to_proto, unpack_draft
+
+ROOT = Path(__file__).resolve().parents[2]
+VOCAB = 128
+MAX_LEN = 256
+
+
+@functools.cache
+def tiny_llama(seed: int = 0) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_LEN,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+        initializer_range=0.2,  # spread-out logits: no near-ties for greedy comparisons
+    )
+    return ModelArch.from_hf_config(config), LlamaForCausalLM(config).state_dict()
+
+
+def make_drafter(seed: int = 0) -> DraftModelDrafter:
+    arch, state = tiny_llama(seed)
+    sizing = EngineConfig(num_speculative_tokens=8, max_num_seqs=8, max_model_len=MAX_LEN)
+    return make_draft_model_drafter(build_model(arch, state), arch, sizing, CacheConfig(block_size=8), top_n=16)
+
+
+def draft_info(max_k: int = 8) -> ProposerInfo:
+    return ProposerInfo("draft-model", "tiny", VOCAB, "", max_k, MAX_LEN)
+
+
+def config(**kw) -> ProposerConfig:
+    return ProposerConfig(host="127.0.0.1", port=0, **kw)
+
+
+def seq(seq_id, committed, new, k, full=False, **params) -> proposer_pb2.ProposeSequence:
+    return proposer_pb2.ProposeSequence(
+        seq_id=seq_id,
+        committed_len=committed,
+        new_token_ids=new,
+        full_sequence=full,
+        k=k,
+        sampling_params=common_pb2.SamplingParams(**params),
+    )
+
+
+class Stream:
+    """One bidi Propose stream driven message by message."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self.call = proposer_pb2_grpc.ProposerStub(channel).Propose()
+        self.step = 0
+
+    async def send(self, sequences, releases=()) -> proposer_pb2.ProposeResponse:
+        self.step += 1
+        await self.call.write(
+            proposer_pb2.ProposeRequest(step_id=self.step, sequences=sequences, release_seq_ids=list(releases))
+        )
+        response = await asyncio.wait_for(self.call.read(), 10)
+        assert response.step_id == self.step
+        return response
+
+
+async def with_proposer(test, drafter=None, info=None, **cfg):
+    drafter = drafter if drafter is not None else make_drafter()
+    server = await ProposerServer.start(config(**cfg), drafter, info or draft_info())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            await test(server, channel)
+    finally:
+        await server.shutdown(0.1)
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+def test_get_info_and_health_and_reflection():
+    async def body(server, channel):
+        info = await proposer_pb2_grpc.ProposerStub(channel).GetInfo(proposer_pb2.GetInfoRequest())
+        assert info.kind == proposer_pb2.PROPOSER_KIND_DRAFT_MODEL
+        assert (info.model, info.vocab_size, info.max_k, info.max_model_len) == ("tiny", VOCAB, 8, MAX_LEN)
+        health = health_pb2_grpc.HealthStub(channel)
+        for service in ("", "specdec.v1.Proposer"):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        reflection = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo()
+        await reflection.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+        names = {s.name for s in (await reflection.read()).list_services_response.service}
+        await reflection.done_writing()
+        assert {"specdec.v1.Proposer", "grpc.health.v1.Health"} <= names
+
+    run(with_proposer(body))
+
+    async def ngram(server, channel):
+        info = await proposer_pb2_grpc.ProposerStub(channel).GetInfo(proposer_pb2.GetInfoRequest())
+        assert info.kind == proposer_pb2.PROPOSER_KIND_NGRAM and info.vocab_size == 0 and info.max_model_len == 0
+
+    run(with_proposer(ngram, NgramDrafter(), ProposerInfo("ngram", "", 0, "", 8, 0)))
+
+
+def test_greedy_drafts_match_in_process_drafter_and_state_follows_deltas():
+    reference = make_drafter()
+
+    def ref(*requests: DraftRequest) -> list[Draft]:
+        return reference.propose(list(requests))
+
+    async def body(server, channel):
+        stream = Stream(channel)
+        a, b = [5, 9, 17, 3], [1, 2, 3, 4, 5, 6, 7]
+        response = await stream.send([seq("a", 4, a, 3, full=True), seq("b", 7, b, 2, full=True)])
+        expected = ref(DraftRequest("a", 4, a, 3), DraftRequest("b", 7, b, 2))
+        assert [list(d.draft_token_ids) for d in response.drafts] == [e.token_ids for e in expected]
+        assert [d.committed_len for d in response.drafts] == [4, 7]
+        assert all(len(d.draft_token_ids) == k for d, k in zip(response.drafts, (3, 2), strict=True))
+        assert not any(d.draft_prob_counts for d in response.drafts)  # greedy: one-hot, ids only
+        # "a" accepts one draft then commits another token (a rejection); "b" only updates (k = 0).
+        new_a = [expected[0].token_ids[0], (expected[0].token_ids[1] + 1) % VOCAB]
+        response = await stream.send([seq("a", 6, new_a, 4), seq("b", 8, [42], 0)])
+        expected = ref(DraftRequest("a", 6, new_a, 4), DraftRequest("b", 8, [42], 0))
+        assert [list(d.draft_token_ids) for d in response.drafts] == [e.token_ids for e in expected]
+        assert list(response.drafts[1].draft_token_ids) == []
+        # A delta that does not fit (unknown sequence, or a gap) asks for a resync.
+        response = await stream.send([seq("c", 10, [1, 2], 3), seq("b", 20, [1], 2)])
+        assert [d.needs_resync for d in response.drafts] == [True, True]
+        # Released state is gone; the same id sent in full in the same message starts over.
+        response = await stream.send([seq("a", 2, [7, 8], 2, full=True)], releases=["a", "b"])
+        expected = ref(DraftRequest("a", 2, [7, 8], 2))
+        assert list(response.drafts[0].draft_token_ids) == expected[0].token_ids
+        response = await stream.send([seq("b", 9, [1], 1)])
+        assert response.drafts[0].needs_resync
+        assert server.servicer.drafter_calls == server.servicer.messages == 5  # one batched call per message
+        stream.call.cancel()
+
+    run(with_proposer(body))
+
+
+def test_sampled_drafts_send_the_exact_sparse_distribution():
+    reference = make_drafter()
+    params = SamplingParams(temperature=0.9, top_k=10, seed=123)
+
+    async def body(server, channel):
+        stream = Stream(channel)
+        prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+        response = await stream.send(
+            [
+                proposer_pb2.ProposeSequence(
+                    seq_id="s",
+                    committed_len=8,
+                    new_token_ids=prompt,
+                    full_sequence=True,
+                    k=4,
+                    sampling_params=params_to_proto(params),
+                )
+            ]
+        )
+        got = unpack_draft(response.drafts[0], VOCAB)
+        want = reference.propose([DraftRequest("s", 8, prompt, 4, params)])[0]
+        assert got.token_ids == want.token_ids and len(got.token_ids) == 4
+        msg = response.drafts[0]
+        assert len(msg.draft_prob_counts) == 4 and all(0 < c <= 10 for c in msg.draft_prob_counts)  # zeros dropped
+        assert got.probs is not None and want.probs is not None
+        dense_got = sparse_to_dense_draft_probs(got.probs.token_ids[None], got.probs.probs[None], VOCAB)[0]
+        dense_want = sparse_to_dense_draft_probs(want.probs.token_ids[None], want.probs.probs[None], VOCAB)[0]
+        assert torch.equal(dense_got, dense_want)  # bit-exact float32 over the wire
+        assert torch.allclose(dense_got.sum(-1), torch.ones(4))
+        assert all(dense_got[i, t] > 0 for i, t in enumerate(got.token_ids))
+        stream.call.cancel()
+
+    run(with_proposer(body))
+
+
+def test_a_new_stream_starts_clean_and_a_closed_stream_frees_its_state():
+    drafter = make_drafter()
+
+    async def body(server, channel):
+        first = Stream(channel)
+        await first.send([seq("x", 4, [1, 2, 3, 4], 2, full=True), seq("y", 3, [4, 5, 6], 2, full=True)])
+        second = Stream(channel)
+        response = await second.send([seq("x", 5, [9], 2)])
+        assert response.drafts[0].needs_resync  # stream 2 knows nothing of stream 1's "x"
+        response = await second.send([seq("x", 5, [1, 2, 3, 4, 9], 2, full=True)])
+        assert len(response.drafts[0].draft_token_ids) == 2
+        first.call.cancel()
+        for _ in range(100):
+            if server.servicer.open_streams == 1:
+                break
+            await asyncio.sleep(0.02)
+        await second.send([])  # applies pending releases under the drafter lock
+        assert all(key.startswith("s2/") for key in drafter.history.tokens)
+        assert not any(key.startswith("s1/") for key in drafter.states)
+        second.call.cancel()
+
+    run(with_proposer(body, drafter))
+
+
+def test_k_is_clamped_and_bad_messages_are_handled():
+    async def body(server, channel):
+        stream = Stream(channel)
+        response = await stream.send(
+            [
+                seq("big-k", 3, [1, 2, 3], 50, full=True),
+                seq("oov", 2, [1, 500], 3, full=True),  # outside the draft vocabulary: never drafted
+                seq("bad-full", 5, [1, 2], 3, full=True),  # full_sequence with a wrong length
+                seq("near-limit", MAX_LEN - 1, [i % VOCAB for i in range(MAX_LEN - 1)], 5, full=True),
+                seq("bad-params", 2, [1, 2], 3, full=True, temperature=-1.0),
+            ]
+        )
+        lengths = [len(d.draft_token_ids) for d in response.drafts]
+        assert lengths == [3, 0, 0, 1, 0]  # max_k 3; the context limit leaves room for one
+        assert [d.needs_resync for d in response.drafts] == [False, False, True, False, False]
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await stream.send([seq("d", 1, [1], 1, full=True), seq("d", 1, [1], 1, full=True)])
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "appears twice" in (err.value.details() or "")
+
+    run(with_proposer(body, info=draft_info(max_k=3)))
+
+
+def test_ngram_kind_drafts_the_continuation():
+    async def body(server, channel):
+        stream = Stream(channel)
+        tokens = [10, 11, 12, 13, 14, 10, 11]
+        response = await stream.send([seq("n", 7, tokens, 3, full=True)])
+        assert list(response.drafts[0].draft_token_ids) == [12, 13, 14]
+        response = await stream.send([seq("n", 8, [12], 2)])
+        assert list(response.drafts[0].draft_token_ids) == [13, 14]
+        stream.call.cancel()
+
+    run(with_proposer(body, NgramDrafter(), ProposerInfo("ngram", "", 0, "", 8, 0)))
+
+
+def test_pack_unpack_round_trip_is_exact():
+    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float32)
+    ids = torch.tensor([[7, 3, 9, 0], [1, 2, 3, 4]])
+    from proposer_service.drafter import SparseProbs
+
+    draft = Draft("q", 11, [3, 4], SparseProbs(ids, probs))
+    msg = pack_draft("q", draft)
+    assert list(msg.draft_prob_counts) == [3, 4]
+    back = unpack_draft(proposer_pb2.Draft.FromString(msg.SerializeToString()), VOCAB)
+    assert back.token_ids == [3, 4] and back.committed_len == 11
+    assert back.probs is not None
+    dense = sparse_to_dense_draft_probs(back.probs.token_ids[None], back.probs.probs[None], VOCAB)
+    assert torch.equal(dense, sparse_to_dense_draft_probs(ids[None], probs[None], VOCAB))
+    for bad in (
+        proposer_pb2.Draft(seq_id="q", draft_token_ids=[VOCAB]),
+        proposer_pb2.Draft(
+            seq_id="q", draft_token_ids=[1], draft_prob_token_ids=[2], draft_probs=[1.0], draft_prob_counts=[1]
+        ),  # the drafted token has no probability
+        proposer_pb2.Draft(
+            seq_id="q", draft_token_ids=[1, 2], draft_prob_token_ids=[1], draft_probs=[1.0], draft_prob_counts=[1]
+        ),
+    ):
+        with pytest.raises(ValueError):
+            unpack_draft(bad, VOCAB)
+
+
+def test_config_reads_flags_and_env(monkeypatch):
+    monkeypatch.setenv("SPECDEC_MAX_K", "5")
+    monkeypatch.setenv("SPECDEC_PORT", "7000")
+    cfg = load_config(ProposerConfig, ["--kind", "ngram", "--port", "1234", "--model", "m"])
+    assert (cfg.kind, cfg.port, cfg.max_k, cfg.model, cfg.tensor_parallel_size) == ("ngram", 1234, 5, "m", 1)
+    assert load_config(ProposerConfig, []).port == 7000
+    with pytest.raises(SystemExit):
+        load_config(ProposerConfig, ["--tensor-parallel-size", "2"])
+    with pytest.raises(SystemExit):
+        load_config(ProposerConfig, ["--kind", "eagle"])
+
+
+def test_cli_serves_and_exits_cleanly_on_sigterm():
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proposer_service.server",
+            "--kind",
+            "ngram",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--grace-period-s",
+            "1",
+        ],
+        cwd=ROOT,
+        env=env,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        port = None
+        deadline = time.monotonic() + 30
+        assert proc.stderr is not None
+        while port is None and time.monotonic() < deadline:
+            line = proc.stderr.readline()
+            if not line:
+                break
+            match = re.search(r"proposer serving .*port=(\d+)", line)
+            port = int(match.group(1)) if match else None
+        assert port, "the proposer did not report its port"
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,91 @@
+"""The draft-model drafter: rollback to the committed prefix, batched drafting, exact reported probs."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from proposer_service.drafter import DraftRequest
+from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from tests.tiny import hf_greedy, ours, tiny_hf_model
+from verifier_service.builder import CacheConfig, make_draft_model_drafter
+from verifier_service.engine import EngineConfig
+
+
+@pytest.fixture(scope="module")
+def draft_hf():
+    return tiny_hf_model(seed=4, logit_scale=8.0)
+
+
+def new_drafter(draft_hf, max_num_seqs=4, block_size=4, num_seqs_budget=None):
+    config = EngineConfig(num_speculative_tokens=5, max_num_seqs=num_seqs_budget or max_num_seqs, max_model_len=128)
+    return make_draft_model_drafter(*ours(draft_hf), config, CacheConfig(block_size=block_size))
+
+
+def test_greedy_drafts_follow_the_draft_model_across_rollbacks(draft_hf):
+    rng = random.Random(0)
+    drafter = new_drafter(draft_hf)
+    tokens = [rng.randrange(1, 90) for _ in range(9)]
+    sent = 0
+    for _ in range(8):
+        draft = drafter.propose([DraftRequest("s", len(tokens), tokens[sent:], 4)])[0]
+        sent = len(tokens)
+        assert draft.token_ids == hf_greedy(draft_hf, tokens, 4, eos=False)
+        assert draft.probs is None
+        # The verifier accepts a random prefix and adds one token of its own: a rollback next round.
+        accepted = rng.randrange(0, 5)
+        tokens += draft.token_ids[:accepted] + [rng.randrange(1, 90)]
+
+
+def test_batched_drafting_equals_one_at_a_time(draft_hf):
+    rng = random.Random(1)
+    seqs = {f"s{i}": [rng.randrange(1, 90) for _ in range(rng.randrange(2, 20))] for i in range(4)}
+    ks = {"s0": 1, "s1": 3, "s2": 5, "s3": 0}
+    batched = new_drafter(draft_hf).propose([DraftRequest(s, len(t), t, ks[s]) for s, t in seqs.items()])
+    for draft in batched:
+        alone = new_drafter(draft_hf).propose(
+            [DraftRequest(draft.seq_id, len(seqs[draft.seq_id]), seqs[draft.seq_id], ks[draft.seq_id])]
+        )[0]
+        assert draft.token_ids == alone.token_ids
+        assert len(draft.token_ids) == ks[draft.seq_id]
+
+
+def test_sampled_drafts_report_the_truncated_distribution_they_came_from(draft_hf):
+    drafter = new_drafter(draft_hf)
+    drafter.top_n = 5
+    params = SamplingParams(temperature=0.7, seed=3)
+    tokens = [3, 14, 15, 2, 65]
+    draft = drafter.propose([DraftRequest("s", len(tokens), tokens, 3, params)])[0]
+    assert draft.probs is not None and draft.probs.token_ids.shape == (3, 5)
+    with torch.no_grad():
+        ctx = tokens
+        for pos, token in enumerate(draft.token_ids):
+            logits = draft_hf(torch.tensor([ctx])).logits[0, -1:].float()
+            full = logits_to_probs(logits, **params_to_tensors([params]))[0]
+            top_probs, top_ids = full.topk(5)
+            assert draft.probs.token_ids[pos].tolist() == top_ids.tolist()
+            assert torch.allclose(draft.probs.probs[pos], top_probs / top_probs.sum(), atol=1e-5)
+            assert float(draft.probs.probs[pos].sum()) == pytest.approx(1.0, abs=1e-5)
+            assert token in draft.probs.token_ids[pos].tolist()
+            ctx = ctx + [token]
+
+
+def test_eviction_under_a_small_cache_keeps_drafts_correct(draft_hf):
+    rng = random.Random(2)
+    drafter = new_drafter(draft_hf, num_seqs_budget=1)  # room for about one sequence
+    seqs = {f"s{i}": [rng.randrange(1, 90) for _ in range(30)] for i in range(3)}
+    for _ in range(2):
+        for seq_id, tokens in seqs.items():  # each request evicts the idle others
+            draft = drafter.propose([DraftRequest(seq_id, len(tokens), tokens, 3)])[0]
+            assert draft.token_ids == hf_greedy(draft_hf, tokens, 3, eos=False)
+            drafter.history.release(seq_id)  # resend in full next time
+    drafter.release(list(seqs))
+    assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks
+
+
+def test_unknown_history_asks_for_resync(draft_hf):
+    drafter = new_drafter(draft_hf)
+    draft = drafter.propose([DraftRequest("s", 10, [1, 2], 3)])[0]
+    assert draft.needs_resync and draft.token_ids == []

@@ -1,0 +1,87 @@
+"""The verifier's configuration: flags and SPECDEC_* environment variables (see shared/config.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """specdec verifier: owns the target model and its paged KV cache, verifies drafts from a proposer."""
+
+    model: str = field(
+        default="",
+        metadata={"help": "target model: HF hub id, HF folder or .gguf (default: the repository's target model)"},
+    )
+    proposer: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "proposer address(es) host:port, comma-separated; the first reachable one is used and the "
+            "others are fallbacks. Empty: decode with the target alone (k = 0)"
+        },
+    )
+    num_speculative_tokens: int = field(default=4, metadata={"help": "draft length k per sequence per step"})
+    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    port: int = field(default=50052, metadata={"help": "port to listen on (0: any free port)"})
+    max_num_seqs: int = field(default=8, metadata={"help": "sequences in the running batch"})
+    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens fed per engine step"})
+    max_model_len: int = field(
+        default=2048, metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"}
+    )
+    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    num_kv_blocks: int | None = field(
+        default=None, metadata={"help": "KV cache blocks (default: max_num_seqs full-length sequences)"}
+    )
+    max_waiting: int = field(default=256, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"})
+    default_max_tokens: int = field(default=128, metadata={"help": "max_tokens of a request that sets none"})
+    proposer_timeout_ms: int = field(
+        default=2000,
+        metadata={"help": "deadline of one propose round trip; past it the step decodes with k = 0 and reconnects"},
+    )
+    proposer_reconnect_max_s: float = field(
+        default=10.0, metadata={"help": "longest wait between proposer reconnection attempts (exponential backoff)"}
+    )
+    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel degree of the target model"})
+    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
+    device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    grace_period_s: float = field(
+        default=20.0,
+        metadata={"help": "on SIGTERM, seconds to let running requests finish before they are aborted"},
+    )
+    log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
+                "the verifier runs the target model on one device (use 1)"
+            )
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
+        for name in (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "block_size",
+            "default_max_tokens",
+            "proposer_timeout_ms",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.max_waiting < 0:
+            raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
+        for address in self.proposer:
+            host, sep, port = address.rpartition(":")
+            if not sep or not host or not port.isdigit():
+                raise ValueError(f"--proposer address {address!r} is not host:port")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.grace_period_s < 0 or self.proposer_reconnect_max_s <= 0:
+            raise ValueError("--grace-period-s must be >= 0 and --proposer-reconnect-max-s > 0")

@@ -1,0 +1,323 @@
+"""Drives the Engine from asyncio: one background task steps it while there is work.
+
+The engine is not thread-safe. Its `step()` runs in a worker thread (so the event loop keeps serving and
+the RemoteProposer's stream keeps flowing) while an asyncio lock is held; requests are added and aborts are
+applied under the same lock, i.e. between steps. Each request has an asyncio.Queue of updates that
+`generate()` yields from; a consumer that stops iterating (client cancel, deadline) aborts its request,
+which frees its KV blocks before the next step runs. No grpc in here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from proposer_service.drafter import Draft, Drafter, DraftRequest
+from shared.errors import UnavailableError
+from shared.sampling import SamplingParams
+from verifier_service.engine import Engine, RequestOutput
+from verifier_service.remote_proposer import RemoteProposer
+from verifier_service.sequence import FinishReason
+
+log = logging.getLogger("specdec.verifier.loop")
+
+
+@dataclass
+class RequestUsage:
+    """Token accounting of one request (the proto Usage without cached_prompt_tokens, always 0 here)."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    num_steps: int = 0  # engine steps that emitted tokens for this request
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return self.completion_tokens / self.num_steps if self.num_steps else 0.0
+
+
+@dataclass(frozen=True)
+class Update:
+    """What one engine step committed for one request. The last one has `finish_reason` set."""
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None
+    usage: RequestUsage  # cumulative, a snapshot
+    stop_token_id: int | None = None  # when finish_reason is STOP: the token that stopped it
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    """The fields of the proto EngineStats, plus the proposer fallback counters."""
+
+    running_requests: int
+    waiting_requests: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_used: int
+    kv_blocks_cached: int
+    kv_block_size: int
+    drafted_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+    steps: int
+    sequence_steps: int
+    mean_accepted_length: float  # emitted_tokens / sequence_steps
+    acceptance_rate: float  # accepted_tokens / drafted_tokens
+    preemptions: int
+    proposer_connected: bool
+    finished_requests: int
+    aborted_requests: int
+    stale_drafts: int = 0
+    proposer_fallback_steps: int = 0
+
+
+class DraftLimiter:
+    """Wraps the engine's drafter to honour a per-request upper bound on k (max_draft_tokens).
+
+    The scheduler picks k for the batch; this only lowers what is asked of the proposer (a drafter may
+    always return fewer tokens than asked). k = 0 still keeps the proposer's copy of the sequence current.
+    """
+
+    def __init__(self, inner: Drafter) -> None:
+        self.inner = inner
+        self.caps: dict[str, int] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        capped = [
+            dataclasses.replace(r, k=min(r.k, self.caps[r.seq_id])) if r.seq_id in self.caps else r for r in requests
+        ]
+        return self.inner.propose(capped)
+
+    def release(self, seq_ids: list[str]) -> None:
+        for seq_id in seq_ids:
+            self.caps.pop(seq_id, None)
+        self.inner.release(seq_ids)
+
+
+@dataclass
+class _Tracked:
+    queue: asyncio.Queue
+    usage: RequestUsage
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, proposer: RemoteProposer | None = None) -> None:
+        self.engine = engine
+        self.proposer = proposer
+        self.limiter: DraftLimiter | None = None
+        if engine.drafter is not None:
+            self.limiter = DraftLimiter(engine.drafter)
+            engine.drafter = self.limiter
+        self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()  # no request tracked
+        self._idle.set()
+        self._requests: dict[str, _Tracked] = {}
+        self._pending_aborts: set[str] = set()
+        self._accepting = True
+        self._stopping = False
+        self._task: asyncio.Task | None = None
+        self.finished_requests = 0
+        self.aborted_requests = 0
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="engine-loop")
+
+    def stop_accepting(self) -> None:
+        """New requests get UnavailableError from now on; running ones continue."""
+        self._accepting = False
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait until every request has finished; False if some are still running after timeout_s."""
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    async def abort_all(self) -> int:
+        """End every request now with FinishReason.ABORT (their output so far stays valid)."""
+        async with self._lock:
+            ids = list(self._requests)
+            for request_id in ids:
+                self.engine.abort(request_id)
+                self._finish_tracked(request_id, FinishReason.ABORT)
+        return len(ids)
+
+    async def stop(self) -> None:
+        """Stop the stepping task after the current step (requests should be drained or aborted first)."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    @property
+    def num_requests(self) -> int:
+        return len(self._requests)
+
+    # ---- requests --------------------------------------------------------------------------------
+
+    async def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_draft_tokens: int | None = None,
+    ) -> AsyncIterator[Update]:
+        """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
+        update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
+        if not self._accepting or self._stopping:
+            raise UnavailableError("the verifier is shutting down; retry on another verifier")
+        tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
+        async with self._lock:
+            self.engine.add_request(request_id, list(prompt_ids), params)  # raises on bad input or a full queue
+            self._requests[request_id] = tracked
+            self._idle.clear()
+            if max_draft_tokens is not None and self.limiter is not None:
+                self.limiter.caps[request_id] = max_draft_tokens
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                item = await tracked.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                if item.finished:
+                    done = True
+                yield item
+                if done:
+                    return
+        finally:
+            if not done:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Cancel a request: applied at the next step boundary (its blocks are free before the next step)."""
+        if request_id in self._requests:
+            self._pending_aborts.add(request_id)
+            self._wake.set()
+
+    # ---- the loop --------------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while not self._stopping:
+            await self._wake.wait()
+            self._wake.clear()
+            while not self._stopping:
+                async with self._lock:
+                    self._apply_aborts()
+                    if not self.engine.has_unfinished():
+                        break
+                    try:
+                        outputs = await asyncio.to_thread(self.engine.step)
+                    except Exception as err:
+                        log.exception("engine step failed; failing the %d running requests", len(self._requests))
+                        self._fail_all(err)
+                        continue
+                    self._dispatch(outputs)
+                await asyncio.sleep(0)  # let handlers and new requests in between steps
+        async with self._lock:
+            self._apply_aborts()
+
+    def _apply_aborts(self) -> None:
+        pending, self._pending_aborts = self._pending_aborts, set()
+        for request_id in pending:
+            if request_id not in self._requests:
+                continue
+            self.engine.abort(request_id)
+            self._requests.pop(request_id)
+            self.aborted_requests += 1
+            log.info("request cancelled request_id=%s", request_id)
+        self._update_idle()
+
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            tracked = self._requests.get(out.request_id)
+            if tracked is None:
+                continue  # cancelled while the step ran; the engine already forgot it or will at abort
+            usage = tracked.usage
+            usage.completion_tokens += len(out.new_token_ids)
+            usage.drafted_tokens += out.num_drafted
+            usage.accepted_tokens += out.num_accepted
+            usage.num_steps += 1
+            stop_token = out.new_token_ids[-1] if out.finish_reason == FinishReason.STOP and out.new_token_ids else None
+            update = Update(
+                out.request_id, list(out.new_token_ids), out.finish_reason, dataclasses.replace(usage), stop_token
+            )
+            tracked.queue.put_nowait(update)
+            if out.finished:
+                self._requests.pop(out.request_id)
+                if out.finish_reason == FinishReason.ABORT:
+                    self.aborted_requests += 1
+                else:
+                    self.finished_requests += 1
+        self._update_idle()
+
+    def _finish_tracked(self, request_id: str, reason: FinishReason) -> None:
+        tracked = self._requests.pop(request_id, None)
+        if tracked is None:
+            return
+        tracked.queue.put_nowait(Update(request_id, [], reason, dataclasses.replace(tracked.usage)))
+        self.aborted_requests += 1
+        self._update_idle()
+
+    def _fail_all(self, err: Exception) -> None:
+        for request_id, tracked in list(self._requests.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:  # the engine is in trouble already; free what we can
+                log.exception("abort failed request_id=%s", request_id)
+            tracked.queue.put_nowait(err)
+            self.aborted_requests += 1
+        self._requests.clear()
+        self._update_idle()
+
+    def _update_idle(self) -> None:
+        if self._requests:
+            self._idle.clear()
+        else:
+            self._idle.set()
+
+    # ---- stats -----------------------------------------------------------------------------------
+
+    def stats(self) -> StatsSnapshot:
+        engine = self.engine
+        s = engine.stats
+        blocks = engine.blocks
+        free = blocks.num_free_blocks
+        return StatsSnapshot(
+            running_requests=len(engine.scheduler.running),
+            waiting_requests=len(engine.scheduler.waiting),
+            kv_blocks_total=blocks.num_blocks,
+            kv_blocks_free=free,
+            kv_blocks_used=blocks.num_blocks - free,
+            kv_blocks_cached=0,
+            kv_block_size=blocks.block_size,
+            drafted_tokens=s.drafted_tokens,
+            accepted_tokens=s.accepted_tokens,
+            emitted_tokens=s.emitted_tokens,
+            steps=s.steps,
+            sequence_steps=s.sequence_steps,
+            mean_accepted_length=s.emitted_tokens / s.sequence_steps if s.sequence_steps else 0.0,
+            acceptance_rate=s.acceptance_rate,
+            preemptions=engine.scheduler.num_preemptions,
+            proposer_connected=self.proposer is not None and self.proposer.connected,
+            finished_requests=self.finished_requests,
+            aborted_requests=self.aborted_requests,
+            stale_drafts=s.stale_drafts,
+            proposer_fallback_steps=self.proposer.fallback_steps if self.proposer is not None else 0,
+        )

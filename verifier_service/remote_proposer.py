@@ -1,0 +1,345 @@
+"""A Drafter that talks to a remote proposer over ONE long-lived bidi `Propose` stream.
+
+The engine calls `propose` / `release` synchronously from its worker thread; the stream lives on the
+service's event loop (grpc.aio), reached with `asyncio.run_coroutine_threadsafe`. Every round trip has a
+deadline: past it, or on any error, the step gets empty drafts (k = 0, plain decoding), the stream is
+dropped and a background task reconnects with exponential backoff, trying the configured addresses in
+turn. A new stream holds no state, so fallback drafts ask the engine to resend each sequence in full
+(`needs_resync`). No request ever fails because a proposer did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+import torch
+
+from proposer_service.drafter import Draft, DraftRequest, SparseProbs
+from shared.grpc_server import CHANNEL_OPTIONS
+from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
+from shared.sampling import SamplingParams
+
+log = logging.getLogger("specdec.verifier.proposer")
+
+
+class IncompatibleProposerError(Exception):
+    """The proposer drafts in another vocabulary: its token ids would be wrong for the target."""
+
+
+def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    return msg
+
+
+def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
+    """Wire draft -> domain draft (probabilities exactly as sent, float32).
+
+    Raises ValueError for a draft that would make verification wrong or crash: ids outside the target
+    vocabulary, inconsistent counts, negative or non-finite probabilities, or a drafted token that has
+    no positive probability in the distribution it was supposedly sampled from.
+    """
+    token_ids = list(msg.draft_token_ids)
+    k = len(token_ids)
+    if any(not 0 <= t < vocab_size for t in token_ids):
+        raise ValueError(f"draft token ids outside the vocabulary [0, {vocab_size})")
+    counts = list(msg.draft_prob_counts)
+    if not counts or not k:
+        if counts and sum(counts):
+            raise ValueError("draft probabilities without draft tokens")
+        return Draft(msg.seq_id, msg.committed_len, token_ids, None, msg.needs_resync)
+    total = len(msg.draft_probs)
+    if len(counts) != k or sum(counts) != total or len(msg.draft_prob_token_ids) != total or min(counts) < 1:
+        raise ValueError(f"draft_prob_counts {counts} do not match {k} draft tokens and {total} probabilities")
+    flat_ids = torch.tensor(list(msg.draft_prob_token_ids), dtype=torch.int64)
+    flat_probs = torch.tensor(list(msg.draft_probs), dtype=torch.float32)
+    if bool(((flat_ids < 0) | (flat_ids >= vocab_size)).any()):
+        raise ValueError(f"draft distribution ids outside the vocabulary [0, {vocab_size})")
+    if not bool(torch.isfinite(flat_probs).all()) or bool((flat_probs < 0).any()):
+        raise ValueError("draft probabilities must be finite and >= 0")
+    counts_t = torch.tensor(counts, dtype=torch.int64)
+    n = int(counts_t.max())
+    rows = torch.repeat_interleave(torch.arange(k), counts_t)  # [total]
+    starts = torch.cumsum(counts_t, 0) - counts_t  # [k]
+    cols = torch.arange(total) - starts[rows]  # [total]
+    ids = torch.zeros(k, n, dtype=torch.int64)  # padding: id 0 with probability 0
+    probs = torch.zeros(k, n, dtype=torch.float32)
+    ids[rows, cols] = flat_ids
+    probs[rows, cols] = flat_probs
+    drafted = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)  # [k, 1]
+    if not bool(((ids == drafted) & (probs > 0)).any(dim=1).all()):
+        raise ValueError("a drafted token has no positive probability in its draft distribution")
+    return Draft(msg.seq_id, msg.committed_len, token_ids, SparseProbs(ids, probs), msg.needs_resync)
+
+
+class RemoteProposer:
+    """Drafter protocol over gRPC. Create and `start()` on the event loop that serves; call `propose` and
+    `release` from any other thread (the engine's worker thread)."""
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        vocab_size: int,
+        tokenizer_fingerprint: str = "",
+        timeout_s: float = 2.0,
+        reconnect_initial_s: float = 0.05,
+        reconnect_max_s: float = 10.0,
+    ) -> None:
+        if not addresses:
+            raise ValueError("RemoteProposer needs at least one address")
+        self.addresses = list(addresses)
+        self.vocab_size = vocab_size
+        self.tokenizer_fingerprint = tokenizer_fingerprint
+        self.timeout_s = timeout_s
+        self.reconnect_initial_s = reconnect_initial_s
+        self.reconnect_max_s = reconnect_max_s
+        self.info: proposer_pb2.GetInfoResponse | None = None
+        self.address: str | None = None  # the proposer in use
+        # counters (read by stats)
+        self.fallback_steps = 0  # propose calls answered without the proposer (k = 0 for that step)
+        self.timeouts = 0
+        self.errors = 0
+        self.invalid_drafts = 0
+        self.connections = 0
+        self._connected = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._lost: asyncio.Event | None = None
+        self._task: asyncio.Task | None = None
+        self._closed = False
+        self._step_ids = itertools.count(1)
+        self._releases: list[str] = []
+        self._release_lock = threading.Lock()
+
+    # ---- lifecycle (event loop) ------------------------------------------------------------------
+
+    @property
+    def connected(self) -> bool:
+        return self._connected
+
+    async def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._lost = asyncio.Event()
+        self._task = asyncio.create_task(self._maintain(), name="remote-proposer")
+
+    async def wait_connected(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while not self._connected and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        return self._connected
+
+    async def close(self) -> None:
+        self._closed = True
+        self._connected = False
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _maintain(self) -> None:
+        backoff = self.reconnect_initial_s
+        for attempt in itertools.count():
+            if self._closed:
+                return
+            address = self.addresses[attempt % len(self.addresses)]
+            up_since = None
+            try:
+                up_since = await self._connect_and_hold(address)
+            except IncompatibleProposerError as err:
+                log.error("proposer refused address=%s: %s; decoding with k = 0", address, err)
+                backoff = self.reconnect_max_s
+            except (grpc.RpcError, ConnectionError, OSError, TimeoutError) as err:
+                detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+                log.warning("proposer unreachable address=%s error=%s retry_in_s=%.2f", address, detail, backoff)
+            if up_since is not None and time.monotonic() - up_since > 5.0:
+                backoff = self.reconnect_initial_s  # it was up for a while: a fresh failure, retry fast
+            if self._closed:
+                return
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, self.reconnect_max_s)
+
+    async def _connect_and_hold(self, address: str) -> float | None:
+        """Open a channel and the stream; return (after it is lost) when it was established, if it was."""
+        assert self._lost is not None
+        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        call = None
+        try:
+            stub = proposer_pb2_grpc.ProposerStub(channel)
+            info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
+            self._check_compatible(info)
+            call = stub.Propose()
+            self._lost.clear()
+            self.info, self.address, self._call = info, address, call
+            with self._release_lock:
+                self._releases.clear()  # a new stream starts clean: nothing to release there
+            self._connected = True
+            self.connections += 1
+            call.add_done_callback(lambda c: self._drop(c, "stream ended"))
+            log.info(
+                "proposer connected address=%s kind=%s model=%s vocab_size=%d max_k=%d",
+                address,
+                proposer_pb2.ProposerKind.Name(info.kind),
+                info.model,
+                info.vocab_size,
+                info.max_k,
+            )
+            up_since = time.monotonic()
+            await self._lost.wait()
+            return up_since
+        finally:
+            self._connected = False
+            if self._call is call:
+                self._call = None
+            if call is not None:
+                call.cancel()
+            await channel.close()
+
+    def _check_compatible(self, info: proposer_pb2.GetInfoResponse) -> None:
+        if info.vocab_size and info.vocab_size != self.vocab_size:
+            raise IncompatibleProposerError(
+                f"its draft vocabulary has {info.vocab_size} ids but the target's has {self.vocab_size}: "
+                "speculative decoding needs a draft model that shares the target's tokenizer"
+            )
+        if info.tokenizer_fingerprint and self.tokenizer_fingerprint:
+            if info.tokenizer_fingerprint != self.tokenizer_fingerprint:
+                raise IncompatibleProposerError(
+                    f"its tokenizer fingerprint {info.tokenizer_fingerprint} differs from the target's "
+                    f"{self.tokenizer_fingerprint}: the vocabularies are not the same"
+                )
+
+    def _drop(self, call: grpc.aio.StreamStreamCall, reason: str) -> None:
+        """On the event loop: forget the stream (if still current) and wake the reconnecting task."""
+        if call is not self._call:
+            return
+        if self._connected and not self._closed:
+            log.warning(
+                "proposer stream lost address=%s reason=%s; decoding with k = 0 until it is back", self.address, reason
+            )
+        self._connected = False
+        self._call = None
+        call.cancel()
+        if self._lost is not None:
+            self._lost.set()
+
+    # ---- Drafter protocol (worker thread) --------------------------------------------------------
+
+    def release(self, seq_ids: list[str]) -> None:
+        if not seq_ids:
+            return
+        with self._release_lock:
+            self._releases.extend(seq_ids)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        if not requests:
+            return []
+        call, loop = self._call, self._loop
+        if not self._connected or call is None or loop is None:
+            return self._fallback(requests)
+        if threading.get_ident() == self._loop_thread:
+            raise RuntimeError("RemoteProposer.propose must not run on the event loop thread (it would deadlock)")
+        message = self._build_request(requests)
+        future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        try:
+            response = future.result(self.timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            self.timeouts += 1
+            self._lose(call, loop, f"no answer within {self.timeout_s * 1000:.0f} ms")
+            return self._fallback(requests)
+        except Exception as err:  # grpc.aio.AioRpcError, EOF, protocol errors, a cancelled future
+            self.errors += 1
+            detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else f"{type(err).__name__}: {err}"
+            self._lose(call, loop, detail)
+            return self._fallback(requests)
+        return self._unpack(requests, response, call, loop)
+
+    def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
+        if self._connected:
+            log.warning(
+                "proposer round trip failed address=%s reason=%s; this step decodes with k = 0", self.address, reason
+            )
+        self._connected = False  # at once, so the next step does not use the stream
+        loop.call_soon_threadsafe(self._drop, call, reason)
+
+    def _fallback(self, requests: list[DraftRequest]) -> list[Draft]:
+        """No drafts this step; the proposer's view of each sequence is unknown, so resend it in full."""
+        self.fallback_steps += 1
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=True) for r in requests]
+
+    def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
+        with self._release_lock:
+            releases, self._releases = self._releases, []
+        info = self.info
+        sequences = []
+        for r in requests:
+            k = r.k
+            if info is not None:
+                if info.max_k:
+                    k = min(k, info.max_k)
+                if info.max_model_len:
+                    k = min(k, max(0, info.max_model_len - r.committed_len))
+            sequences.append(
+                proposer_pb2.ProposeSequence(
+                    seq_id=r.seq_id,
+                    committed_len=r.committed_len,
+                    new_token_ids=r.new_token_ids,
+                    full_sequence=len(r.new_token_ids) == r.committed_len,
+                    k=max(0, k),
+                    sampling_params=params_to_proto(r.params),
+                )
+            )
+        return proposer_pb2.ProposeRequest(step_id=next(self._step_ids), sequences=sequences, release_seq_ids=releases)
+
+    @staticmethod
+    async def _exchange(
+        call: grpc.aio.StreamStreamCall, message: proposer_pb2.ProposeRequest
+    ) -> proposer_pb2.ProposeResponse:
+        await call.write(message)
+        while True:
+            response = await call.read()
+            if response is grpc.aio.EOF:
+                raise ConnectionError("the proposer closed the stream")
+            assert isinstance(response, proposer_pb2.ProposeResponse)
+            if response.step_id == message.step_id:
+                return response
+            if response.step_id > message.step_id:
+                raise ConnectionError(f"answer to step {response.step_id} while waiting for {message.step_id}")
+            # an answer to an earlier step we gave up on: discard
+
+    def _unpack(
+        self,
+        requests: list[DraftRequest],
+        response: proposer_pb2.ProposeResponse,
+        call: grpc.aio.StreamStreamCall,
+        loop: asyncio.AbstractEventLoop,
+    ) -> list[Draft]:
+        if len(response.drafts) != len(requests):
+            self.errors += 1
+            self._lose(call, loop, f"{len(response.drafts)} drafts for {len(requests)} sequences")
+            return self._fallback(requests)
+        drafts = []
+        for req, msg in zip(requests, response.drafts, strict=True):
+            try:
+                draft = unpack_draft(msg, self.vocab_size)
+            except ValueError as err:
+                self.invalid_drafts += 1
+                log.warning("invalid draft discarded seq_id=%s: %s", req.seq_id, err)
+                draft = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
+            drafts.append(draft)
+        return drafts

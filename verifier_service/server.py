@@ -1,0 +1,343 @@
+"""The verifier service: a thin gRPC layer over the EngineLoop.
+
+Generate: VerifierGenerateRequest -> (prompt ids, SamplingParams) -> EngineLoop.generate -> one
+VerifierGenerateResponse per engine step that committed tokens; the last one carries finish_reason and
+usage. Domain errors become status codes through shared.errors.grpc_status_for only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+import grpc
+
+from shared.config import load_config
+from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
+from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.model.config import ModelArch
+from shared.model.llama import LlamaModel
+from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from shared.sampling import SamplingParams
+from verifier_service.config import VerifierConfig
+from verifier_service.engine_loop import EngineLoop, StatsSnapshot, Update
+from verifier_service.remote_proposer import RemoteProposer
+from verifier_service.sequence import FinishReason
+
+log = logging.getLogger("specdec.verifier")
+
+SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
+FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+
+
+# ---- proto <-> domain ---------------------------------------------------------------------------
+
+
+def request_to_domain(
+    request: verifier_pb2.VerifierGenerateRequest, *, max_model_len: int, default_max_tokens: int
+) -> tuple[list[int], SamplingParams, int | None]:
+    """(prompt ids, sampling params, max_draft_tokens). Raises InvalidRequestError with a readable message.
+
+    Checks that need the engine (token ids in the vocabulary, prompt within the context, stop ids) are the
+    engine's, so they hold for every caller.
+    """
+    prompt = list(request.prompt_token_ids)
+    if not prompt:
+        raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
+    sp = request.sampling_params
+    base = SamplingParams()
+    temperature = sp.temperature if sp.HasField("temperature") else base.temperature
+    top_p = sp.top_p if sp.HasField("top_p") else base.top_p
+    top_k = sp.top_k if sp.HasField("top_k") else base.top_k
+    min_p = sp.min_p if sp.HasField("min_p") else base.min_p
+    if not math.isfinite(temperature) or temperature < 0:
+        raise InvalidRequestError(f"temperature must be a number >= 0 (0 is greedy), got {temperature}")
+    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
+        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if not math.isfinite(min_p) or not 0.0 <= min_p <= 1.0:
+        raise InvalidRequestError(f"min_p must be in [0, 1], got {min_p}")
+    if request.HasField("max_tokens"):
+        max_tokens = request.max_tokens
+        if max_tokens <= 0:
+            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
+        if max_tokens > max_model_len:
+            raise InvalidRequestError(f"max_tokens {max_tokens} is beyond the context length {max_model_len}")
+    else:
+        max_tokens = default_max_tokens
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=sp.seed if sp.HasField("seed") else None,
+        max_tokens=max_tokens,
+        stop_token_ids=tuple(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+    )
+    max_draft = request.max_draft_tokens if request.HasField("max_draft_tokens") else None
+    return prompt, params, max_draft
+
+
+def update_to_proto(update: Update) -> verifier_pb2.VerifierGenerateResponse:
+    msg = verifier_pb2.VerifierGenerateResponse(
+        token_ids=update.token_ids, finish_reason=FINISH_TO_PROTO[update.finish_reason]
+    )
+    if update.finished:
+        u = update.usage
+        msg.usage.CopyFrom(
+            common_pb2.Usage(
+                prompt_tokens=u.prompt_tokens,
+                completion_tokens=u.completion_tokens,
+                cached_prompt_tokens=0,
+                drafted_tokens=u.drafted_tokens,
+                accepted_tokens=u.accepted_tokens,
+                num_steps=u.num_steps,
+                mean_accepted_length=u.mean_accepted_length,
+            )
+        )
+        if update.stop_token_id is not None:
+            msg.stop_token_id = update.stop_token_id
+    return msg
+
+
+def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
+    return common_pb2.EngineStats(
+        running_requests=s.running_requests,
+        waiting_requests=s.waiting_requests,
+        kv_blocks_total=s.kv_blocks_total,
+        kv_blocks_free=s.kv_blocks_free,
+        kv_blocks_used=s.kv_blocks_used,
+        kv_blocks_cached=s.kv_blocks_cached,
+        kv_block_size=s.kv_block_size,
+        drafted_tokens=s.drafted_tokens,
+        accepted_tokens=s.accepted_tokens,
+        emitted_tokens=s.emitted_tokens,
+        steps=s.steps,
+        sequence_steps=s.sequence_steps,
+        mean_accepted_length=s.mean_accepted_length,
+        acceptance_rate=s.acceptance_rate,
+        preemptions=s.preemptions,
+        proposer_connected=s.proposer_connected,
+        finished_requests=s.finished_requests,
+        aborted_requests=s.aborted_requests,
+    )
+
+
+# ---- the servicer -------------------------------------------------------------------------------
+
+
+class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
+    def __init__(
+        self,
+        loop: EngineLoop,
+        *,
+        model_name: str,
+        max_model_len: int,
+        vocab_size: int,
+        default_max_tokens: int,
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        self.loop = loop
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.default_max_tokens = default_max_tokens
+        self.tensor_parallel_size = tensor_parallel_size
+
+    async def Generate(  # type: ignore[override]
+        self, request: verifier_pb2.VerifierGenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[verifier_pb2.VerifierGenerateResponse]:
+        request_id = request.request_id or f"verifier-{uuid.uuid4().hex[:16]}"
+        started = time.monotonic()
+        try:
+            prompt, params, max_draft = request_to_domain(
+                request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
+            )
+            updates = self.loop.generate(request_id, prompt, params, max_draft)
+            async with contextlib.aclosing(updates):
+                async for update in updates:
+                    yield update_to_proto(update)
+                    if update.finished:
+                        u = update.usage
+                        log.info(
+                            "request finished request_id=%s reason=%s prompt_tokens=%d completion_tokens=%d "
+                            "drafted=%d accepted=%d steps=%d seconds=%.3f",
+                            request_id,
+                            update.finish_reason,
+                            u.prompt_tokens,
+                            u.completion_tokens,
+                            u.drafted_tokens,
+                            u.accepted_tokens,
+                            u.num_steps,
+                            time.monotonic() - started,
+                        )
+        except (SpecdecError, TimeoutError) as err:
+            code, message = grpc_status_for(err)
+            log.info("request rejected request_id=%s code=%s message=%s", request_id, code.name, message)
+            await context.abort(code, message)
+        except Exception as err:  # an engine failure: INTERNAL, the other requests go on
+            code, message = grpc_status_for(err)
+            log.error("request failed request_id=%s message=%s", request_id, message)
+            await context.abort(code, message)
+
+    async def GetStats(
+        self, request: verifier_pb2.VerifierGetStatsRequest, context: grpc.aio.ServicerContext
+    ) -> verifier_pb2.VerifierGetStatsResponse:
+        return verifier_pb2.VerifierGetStatsResponse(
+            stats=stats_to_proto(self.loop.stats()),
+            model=self.model_name,
+            max_model_len=self.max_model_len,
+            vocab_size=self.vocab_size,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
+
+
+# ---- building and serving -----------------------------------------------------------------------
+
+
+class VerifierServer:
+    """A running verifier: engine loop, optional remote proposer, gRPC server with health and reflection."""
+
+    def __init__(
+        self,
+        config: VerifierConfig,
+        server: grpc.aio.Server,
+        servicer: VerifierServicer,
+        health,
+        port: int,
+        loop: EngineLoop,
+        proposer: RemoteProposer | None,
+    ) -> None:
+        self.config = config
+        self.server = server
+        self.servicer = servicer
+        self.health = health
+        self.port = port
+        self.loop = loop
+        self.proposer = proposer
+
+    @classmethod
+    async def start(
+        cls,
+        config: VerifierConfig,
+        target: tuple[LlamaModel, ModelArch] | None = None,
+        model_name: str | None = None,
+        tokenizer_fingerprint: str | None = None,
+    ) -> VerifierServer:
+        """Load the target (unless given), connect the proposer(s), build the engine and serve."""
+        import torch
+
+        from proposer_service.server import resolve_device
+        from proposer_service.server import tokenizer_fingerprint as fingerprint_of
+        from shared.model.loader import load_model
+        from shared.settings import default_target_model
+        from verifier_service.builder import CacheConfig, build_engine
+        from verifier_service.engine import EngineConfig
+
+        name = model_name or config.model or default_target_model()
+        started = time.monotonic()
+        if target is None:
+            target = await asyncio.to_thread(
+                load_model, name, getattr(torch, config.dtype), resolve_device(config.device)
+            )
+            log.info("target model loaded model=%s seconds=%.1f", name, time.monotonic() - started)
+        model, arch = target
+        max_model_len = min(config.max_model_len, arch.max_position_embeddings)
+        proposer = None
+        if config.proposer and config.num_speculative_tokens > 0:
+            fingerprint = tokenizer_fingerprint if tokenizer_fingerprint is not None else fingerprint_of(name)
+            proposer = RemoteProposer(
+                config.proposer,
+                vocab_size=arch.vocab_size,
+                tokenizer_fingerprint=fingerprint,
+                timeout_s=config.proposer_timeout_ms / 1000,
+                reconnect_max_s=config.proposer_reconnect_max_s,
+            )
+            await proposer.start()
+        engine_config = EngineConfig(
+            num_speculative_tokens=config.num_speculative_tokens,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_waiting=config.max_waiting,
+        )
+        cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
+        engine = build_engine((model, arch), proposer, engine_config, cache)
+        loop = EngineLoop(engine, proposer)
+        await loop.start()
+        servicer = VerifierServicer(
+            loop,
+            model_name=name,
+            max_model_len=max_model_len,
+            vocab_size=arch.vocab_size,
+            default_max_tokens=config.default_max_tokens,
+            tensor_parallel_size=config.tensor_parallel_size,
+        )
+        server = new_server()
+        verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
+        health = add_health_and_reflection(server, [SERVICE_NAME])
+        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        if not port:
+            raise OSError(f"cannot listen on {config.host}:{config.port}")
+        await server.start()
+        await set_serving(health, [SERVICE_NAME], True)
+        log.info(
+            "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            config.host,
+            port,
+            name,
+            config.num_speculative_tokens if proposer is not None else 0,
+            ",".join(config.proposer) or "none",
+            engine.blocks.num_blocks,
+            engine.blocks.block_size,
+            max_model_len,
+        )
+        return cls(config, server, servicer, health, port, loop, proposer)
+
+    async def shutdown(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING; refuse new requests; let running ones finish within grace_s; abort the rest (they end
+        with FINISH_REASON_ABORT); stop the server and the engine loop."""
+        grace = self.config.grace_period_s if grace_s is None else grace_s
+        log.info("verifier shutting down grace_s=%.1f requests=%d", grace, self.loop.num_requests)
+        await set_serving(self.health, [SERVICE_NAME], False)
+        self.loop.stop_accepting()
+        if not await self.loop.drain(grace):
+            aborted = await self.loop.abort_all()
+            log.warning("grace period over: aborted %d requests", aborted)
+        await self.server.stop(1.0)  # the final messages of aborted requests flush first
+        await self.loop.stop()
+        if self.proposer is not None:
+            await self.proposer.close()
+        log.info("verifier stopped")
+
+
+async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], None] | None = None) -> None:
+    stop = asyncio.Event()
+    install_sigterm(stop)
+    server = await VerifierServer.start(config)
+    if on_ready is not None:
+        on_ready(server)
+    await stop.wait()
+    await server.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    config = load_config(VerifierConfig, argv)
+    setup_logging(config.log_level)
+    asyncio.run(serve(config))
+
+
+if __name__ == "__main__":
+    main()
