@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
@@ -60,6 +61,9 @@ class BackendPool:
                 health=health_pb2_grpc.HealthStub(channel),
             )
         self._tasks: list[asyncio.Task[None]] = []
+        self._recheck: asyncio.Task[None] | None = None
+        # Called with the number of healthy backends whenever a backend goes up or down.
+        self.on_change: Callable[[int], None] | None = None
 
     async def start(self) -> None:
         """One round of checks right away (so a fresh gateway routes at once), then periodic ones."""
@@ -73,6 +77,10 @@ class BackendPool:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         self._tasks = []
+        if self._recheck is not None:
+            self._recheck.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._recheck
         await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
 
     def __getitem__(self, address: str) -> Backend:
@@ -113,6 +121,20 @@ class BackendPool:
         backend.load.max_model_len = stats.max_model_len or None
         backend.load.vocab_size = stats.vocab_size or None
 
+    async def recheck_unhealthy(self) -> None:
+        """Checks every backend marked down right now (a request found none healthy). Concurrent callers
+        share one round, so a burst of requests does not multiply the health checks."""
+        if self._recheck is None or self._recheck.done():
+            down = [b for b in self.backends.values() if not b.load.healthy]
+            self._recheck = asyncio.create_task(self._check_all(down))
+        await asyncio.shield(self._recheck)
+
+    async def _check_all(self, backends: list[Backend]) -> None:
+        await asyncio.gather(*(self.check(b) for b in backends))
+
+    def healthy_count(self) -> int:
+        return sum(b.load.healthy for b in self.backends.values())
+
     def mark_failed(self, address: str, reason: str) -> None:
         self._set_healthy(self.backends[address], False, reason)
 
@@ -122,4 +144,7 @@ class BackendPool:
                 log.info("event=backend_up backend=%s", backend.address)
             else:
                 log.warning("event=backend_down backend=%s reason=%r", backend.address, reason)
+        changed = backend.load.healthy != healthy
         backend.load.healthy = healthy
+        if changed and self.on_change is not None:
+            self.on_change(self.healthy_count())

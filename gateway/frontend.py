@@ -5,6 +5,7 @@ raises `shared.errors.InvalidRequestError` with messages written for a person.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import uuid
 from collections.abc import Sequence
@@ -74,6 +75,7 @@ class PreparedRequest:
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
     max_draft_tokens: int | None
+    max_tokens_explicit: bool = True  # False: the server default (clamped to the context length)
 
 
 class Frontend:
@@ -154,16 +156,19 @@ class Frontend:
             stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos,
             max_draft_tokens=req.max_draft_tokens,
+            max_tokens_explicit=req.max_tokens is not None,
         )
 
-    def check_context(self, prepared: PreparedRequest, max_model_len: int | None) -> None:
-        """The prompt must leave room for at least one generated token; max_tokens can't exceed the context.
+    def check_context(self, prepared: PreparedRequest, max_model_len: int | None) -> PreparedRequest:
+        """The prompt must leave room for at least one generated token, and an explicit max_tokens must fit
+        the context (prompt + max_tokens beyond it is fine: generation stops there with LENGTH). The default
+        max_tokens is clamped to the context length instead.
 
         Without a known context length (the verifier not polled yet) the verifier's own check decides,
         and its INVALID_ARGUMENT is passed through unchanged.
         """
         if not max_model_len:
-            return
+            return prepared
         n = len(prepared.prompt_ids)
         if n >= max_model_len:
             raise InvalidRequestError(
@@ -171,9 +176,12 @@ class Frontend:
                 "so the prompt must be shorter: shorten it"
             )
         if prepared.max_tokens > max_model_len:
+            if not prepared.max_tokens_explicit:
+                return dataclasses.replace(prepared, max_tokens=max_model_len)
             raise InvalidRequestError(
                 f"max_tokens must be at most {max_model_len} (the model's context length), got {prepared.max_tokens}"
             )
+        return prepared
 
     def _sampling(self, req: RequestFields) -> SamplingParams:
         def pick(value: Any, default: Any) -> Any:

@@ -3,8 +3,11 @@
     specdec-gateway --verifiers HOST:PORT[,HOST:PORT...] --tokenizer PATH_OR_ID --port N
 
 Every flag also reads SPECDEC_<NAME> (e.g. SPECDEC_VERIFIERS); see `specdec-gateway --help`.
-The gateway reports SERVING on grpc.health.v1 once it listens (whether verifiers are healthy is its
-routing's business: requests then fail with UNAVAILABLE), and drains on SIGTERM.
+
+Health (grpc.health.v1): the overall status "" is SERVING while the process serves (liveness); the
+service "specdec.v1.Gateway" is SERVING only while at least one verifier is healthy (readiness: without
+one, requests fail with UNAVAILABLE). On SIGTERM both go NOT_SERVING, running requests get
+--drain-timeout-s to finish, the rest are cancelled (and with them their verifier calls).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health
+from grpc_health.v1 import health, health_pb2
 
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
@@ -44,6 +47,7 @@ class RunningGateway:
     health: health.aio.HealthServicer
     port: int
     config: GatewayConfig
+    readiness: _Readiness
 
     @property
     def address(self) -> str:
@@ -51,9 +55,39 @@ class RunningGateway:
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, let running requests finish for `grace` seconds, then cancel the rest."""
+        self.readiness.stopped = True
+        await self.readiness.settle()
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
         await self.pool.close()
+
+
+class _Readiness:
+    """Mirrors "is any verifier healthy" into the health status of the Gateway service."""
+
+    def __init__(self, health_servicer: health.aio.HealthServicer) -> None:
+        self._health = health_servicer
+        self._last: asyncio.Task[None] | None = None
+        self.stopped = False
+
+    def update(self, healthy_verifiers: int) -> None:
+        if self.stopped:
+            return
+        status = (
+            health_pb2.HealthCheckResponse.SERVING if healthy_verifiers else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        previous = self._last
+
+        async def apply() -> None:
+            if previous is not None:
+                await previous  # keep the order of updates
+            await self._health.set(SERVICE_NAME, status)
+
+        self._last = asyncio.get_running_loop().create_task(apply())
+
+    async def settle(self) -> None:
+        if self._last is not None:
+            await self._last
 
 
 async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> RunningGateway:
@@ -72,9 +106,13 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> Running
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         raise OSError(f"could not listen on {config.host}:{config.port}")
+    readiness = _Readiness(health_servicer)
+    pool.on_change = readiness.update
     await pool.start()
     await server.start()
-    await set_serving(health_servicer, [SERVICE_NAME], True)
+    await set_serving(health_servicer, [], True)
+    readiness.update(pool.healthy_count())
+    await readiness.settle()
     healthy = sum(b.load.healthy for b in pool.backends.values())
     log.info(
         "event=serving port=%d verifiers=%s healthy_verifiers=%d",
@@ -82,7 +120,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> Running
         ",".join(config.verifiers),
         healthy,
     )
-    return RunningGateway(server, servicer, pool, health_servicer, port, config)
+    return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness)
 
 
 async def serve(config: GatewayConfig) -> None:

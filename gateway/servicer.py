@@ -15,9 +15,12 @@ also cancels the verifier call. The client's remaining deadline is passed on to 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -170,12 +173,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         live_calls: list[Any] = []
         # Second guard: whatever the handler task is doing when the client goes away, cancel the verifier call.
         context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
-        request_id = fields.request_id or "-"
+        if not fields.request_id:
+            fields = dataclasses.replace(fields, request_id=uuid.uuid4().hex)
+        request_id = fields.request_id
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
             prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
             prepared = self.frontend.prepare(fields, prompt_ids)
-            request_id = prepared.request_id
             out = self.frontend.output(prepared)
             acct = _Accounting()
             failed: set[str] = set()
@@ -189,9 +193,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     final.usage = self._usage(prepared, out.token_ids, acct)
                     yield request_id, tail, final
                     break
-                backend = self.router.pick(prepared.session_id, exclude=failed)
+                try:
+                    backend = self.router.pick(prepared.session_id, exclude=failed)
+                except UnavailableError:
+                    # Maybe a verifier came back since the last periodic check: look now, then decide.
+                    await self.pool.recheck_unhealthy()
+                    backend = self.router.pick(prepared.session_id, exclude=failed)
                 if not out.token_ids:
-                    self.frontend.check_context(prepared, backend.max_model_len)
+                    prepared = self.frontend.check_context(prepared, backend.max_model_len)
+                    out.max_tokens = prepared.max_tokens
                 segment = _Segment(calls=live_calls)
                 stream = self._call_verifier(prepared, out, backend.address, segment, context)
                 try:
@@ -234,6 +244,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     resumes,
                     time.monotonic() - started,
                 )
+        except asyncio.CancelledError:
+            log.info("event=cancelled request_id=%s seconds=%.3f", request_id, time.monotonic() - started)
+            raise
         except (SpecdecError, VerifierError) as err:
             level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
             log.log(level, "event=rejected request_id=%s error=%r", request_id, str(err))

@@ -20,7 +20,9 @@ class ProposerConfig:
     host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
     port: int = field(default=50053, metadata={"help": "port to listen on (0: any free port)"})
     max_k: int = field(default=16, metadata={"help": "largest draft length per sequence per step (larger k clamped)"})
-    max_num_seqs: int = field(default=64, metadata={"help": "sequences whose draft KV the cache holds at once"})
+    max_num_seqs: int = field(
+        default=16, metadata={"help": "sequences whose draft KV the cache holds at once (idle ones are evicted)"}
+    )
     max_model_len: int = field(
         default=2048, metadata={"help": "context length of the draft model (clamped to the model's own)"}
     )

@@ -156,13 +156,14 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                         self._idle.set()
                 yield response
         finally:
-            self.open_streams -= 1
             self._pending_release.extend(stream.key(s) for s in stream.live)
             log.info("propose stream closed stream=%d sequences_released=%d", stream.number, len(stream.live))
             try:
                 await asyncio.to_thread(self._locked_call, [], [])  # applies the pending releases
             except BaseException:  # cancelled during shutdown: the drafter goes away with the process
                 pass
+            finally:
+                self.open_streams -= 1
 
     async def wait_idle(self, timeout: float) -> bool:
         try:
@@ -173,6 +174,9 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 
     async def _answer(self, request: proposer_pb2.ProposeRequest, stream: _StreamState) -> proposer_pb2.ProposeResponse:
         self.messages += 1
+        ids = [seq.seq_id for seq in request.sequences]
+        if "" in ids or len(set(ids)) != len(ids):
+            raise InvalidRequestError(f"step {request.step_id}: every seq_id must be non-empty and appear once")
         releases = []
         for seq_id in request.release_seq_ids:
             stream.blocked.discard(seq_id)
@@ -181,11 +185,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 releases.append(stream.key(seq_id))
         answers: list[Draft | None] = []  # None: filled in by the drafter
         to_draft: list[DraftRequest] = []
-        seen: set[str] = set()
         for seq in request.sequences:
-            if not seq.seq_id or seq.seq_id in seen:
-                raise InvalidRequestError(f"seq_id {seq.seq_id!r} is empty or appears twice in step {request.step_id}")
-            seen.add(seq.seq_id)
             answer = self._precheck(seq, stream, releases)
             answers.append(answer)
             if answer is None:
@@ -230,7 +230,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         return DraftRequest(stream.key(seq.seq_id), seq.committed_len, list(seq.new_token_ids), k, params)
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
-        if not requests and not releases:
+        if not requests and not releases and not self._pending_release:
             return []
         try:
             drafts = await asyncio.to_thread(self._locked_call, releases, requests)
@@ -245,7 +245,9 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
     def _locked_call(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
         """Runs in a worker thread: releases (pending ones first), then one batched propose."""
         with self._drafter_lock:
-            pending, self._pending_release[:] = list(self._pending_release), []
+            pending = []
+            while self._pending_release:  # list.pop is atomic: the event loop thread may append meanwhile
+                pending.append(self._pending_release.pop())
             if pending or releases:
                 self.drafter.release([*pending, *releases])
             if not requests:
@@ -348,6 +350,7 @@ class ProposerServer:
     ) -> ProposerServer:
         if drafter is None or info is None:
             drafter, info = await asyncio.to_thread(build_drafter, config)
+        assert drafter is not None and info is not None
         servicer = ProposerServicer(drafter, info)
         server = new_server()
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)

@@ -42,6 +42,7 @@ def default_num_blocks(config: EngineConfig, cache: CacheConfig) -> int:
 def make_draft_model_drafter(
     model: LlamaModel, arch: ModelArch, config: EngineConfig, cache: CacheConfig, top_n: int = 64
 ) -> DraftModelDrafter:
+    arch.check_context_length(config.max_model_len, "the draft model")
     num_blocks = default_num_blocks(config, CacheConfig(cache.block_size, None, cache.attention_backend))
     runner = make_runner(model, arch, num_blocks, cache)
     return DraftModelDrafter(runner, BlockManager(num_blocks, cache.block_size), top_n=top_n)
@@ -58,6 +59,7 @@ def build_engine(
     config = config or EngineConfig()
     cache = cache or CacheConfig()
     model, arch = load_model(target, dtype, device) if isinstance(target, str) else target
+    arch.check_context_length(config.max_model_len, "the target")
     num_blocks = default_num_blocks(config, cache)
     runner = make_runner(model, arch, num_blocks, cache)
     if drafter == "ngram":

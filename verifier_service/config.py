@@ -22,7 +22,16 @@ class VerifierConfig:
             "others are fallbacks. Empty: decode with the target alone (k = 0)"
         },
     )
-    num_speculative_tokens: int = field(default=4, metadata={"help": "draft length k per sequence per step"})
+    num_speculative_tokens: int = field(
+        default=4, metadata={"help": "draft length k per sequence per step (the largest k when adaptive)"}
+    )
+    adaptive_k: bool = field(
+        default=True,
+        metadata={
+            "help": "choose k per sequence from its acceptance and the measured draft cost (0 when drafting "
+            "does not pay); --no-adaptive-k always drafts num_speculative_tokens"
+        },
+    )
     host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
     port: int = field(default=50052, metadata={"help": "port to listen on (0: any free port)"})
     max_num_seqs: int = field(default=8, metadata={"help": "sequences in the running batch"})

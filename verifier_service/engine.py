@@ -8,6 +8,7 @@ The core has no gRPC in it; the service drives `step()` from a worker thread.
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     max_waiting: int = 256
+    # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
+    adaptive_k: bool = True
 
 
 @dataclass
@@ -97,7 +100,13 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         k = config.num_speculative_tokens if drafter is not None else 0
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len, k),
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                num_speculative_tokens=k,
+                adaptive_k=config.adaptive_k,
+            ),
             blocks,
         )
         self.seqs: dict[str, Sequence] = {}
@@ -150,9 +159,14 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        start = time.perf_counter()
         drafts = self._propose([s for s in batch if s.samples and s.k > 0])
+        proposed = time.perf_counter()
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
         logits = self.runner.forward(items)  # per sequence [num_logits, vocab]
+        if drafts:
+            draft_positions = max(len(d.token_ids) for d in drafts.values())
+            self.scheduler.cost_ratio.update(proposed - start, draft_positions, time.perf_counter() - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
         emitted = self._verify(sampling)
         self.stats.steps += 1
@@ -271,6 +285,7 @@ class Engine:
         self.stats.sequence_steps += 1
         self.stats.emitted_tokens += num_emitted
         if k:
+            seq.acceptance.update(k, num_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from proposer_service.drafter import Draft, Drafter, DraftRequest
@@ -176,13 +176,15 @@ class EngineLoop:
         prompt_ids: list[int],
         params: SamplingParams,
         max_draft_tokens: int | None = None,
-    ) -> AsyncIterator[Update]:
+    ) -> AsyncGenerator[Update, None]:
         """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
         update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
         if not self._accepting or self._stopping:
             raise UnavailableError("the verifier is shutting down; retry on another verifier")
         tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
         async with self._lock:
+            if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
+                raise UnavailableError("the verifier is shutting down; retry on another verifier")
             self.engine.add_request(request_id, list(prompt_ids), params)  # raises on bad input or a full queue
             self._requests[request_id] = tracked
             self._idle.clear()

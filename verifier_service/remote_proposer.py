@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import logging
 import threading
@@ -146,10 +147,8 @@ class RemoteProposer:
         self._connected = False
         if self._task is not None:
             self._task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            except asyncio.CancelledError:
-                pass
             self._task = None
 
     async def _maintain(self) -> None:
@@ -164,8 +163,8 @@ class RemoteProposer:
             except IncompatibleProposerError as err:
                 log.error("proposer refused address=%s: %s; decoding with k = 0", address, err)
                 backoff = self.reconnect_max_s
-            except (grpc.RpcError, ConnectionError, OSError, TimeoutError) as err:
-                detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else str(err)
+            except Exception as err:  # unreachable, refused, reset: never fatal, always retried
+                detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else f"{type(err).__name__}: {err}"
                 log.warning("proposer unreachable address=%s error=%s retry_in_s=%.2f", address, detail, backoff)
             if up_since is not None and time.monotonic() - up_since > 5.0:
                 backoff = self.reconnect_initial_s  # it was up for a while: a fresh failure, retry fast
@@ -216,16 +215,16 @@ class RemoteProposer:
                 f"its draft vocabulary has {info.vocab_size} ids but the target's has {self.vocab_size}: "
                 "speculative decoding needs a draft model that shares the target's tokenizer"
             )
-        if info.tokenizer_fingerprint and self.tokenizer_fingerprint:
-            if info.tokenizer_fingerprint != self.tokenizer_fingerprint:
-                raise IncompatibleProposerError(
-                    f"its tokenizer fingerprint {info.tokenizer_fingerprint} differs from the target's "
-                    f"{self.tokenizer_fingerprint}: the vocabularies are not the same"
-                )
+        fingerprints = (info.tokenizer_fingerprint, self.tokenizer_fingerprint)
+        if all(fingerprints) and fingerprints[0] != fingerprints[1]:
+            raise IncompatibleProposerError(
+                f"its tokenizer fingerprint {info.tokenizer_fingerprint} differs from the target's "
+                f"{self.tokenizer_fingerprint}: the vocabularies are not the same"
+            )
 
     def _drop(self, call: grpc.aio.StreamStreamCall, reason: str) -> None:
         """On the event loop: forget the stream (if still current) and wake the reconnecting task."""
-        if call is not self._call:
+        if call is not self._call or call is None:
             return
         if self._connected and not self._closed:
             log.warning(

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from shared.kv.block_manager import BlockManager
 from verifier_service.sequence import Sequence
+from verifier_service.spec_policy import CostRatio, best_draft_length
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     num_speculative_tokens: int = 0
+    adaptive_k: bool = False
+    probe_interval: int = 16
 
 
 @dataclass
@@ -42,6 +45,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.cost_ratio = CostRatio()  # measured by the engine
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -80,7 +84,15 @@ class Scheduler:
         """k for a sequence about to decode: never past the context limit or the tokens it may still emit."""
         remaining_output = seq.params.max_tokens - len(seq.output_ids)
         room = self.config.max_model_len - len(seq.tokens)
-        return max(0, min(self.config.num_speculative_tokens, remaining_output - 1, room - 1))
+        k_max = max(0, min(self.config.num_speculative_tokens, remaining_output - 1, room - 1))
+        if not self.config.adaptive_k or k_max == 0:
+            return k_max
+        k = best_draft_length(seq.acceptance.alpha, k_max, self.cost_ratio.value)
+        if k > 0:
+            seq.acceptance.steps_at_zero = 0
+            return k
+        seq.acceptance.steps_at_zero += 1
+        return 1 if seq.acceptance.steps_at_zero % self.config.probe_interval == 0 else 0
 
     def _schedule_running(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         num_feed = min(seq.num_uncomputed, budget)

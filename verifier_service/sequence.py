@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.sampling import SamplingParams
+from verifier_service.spec_policy import AcceptanceEstimate
 
 
 class FinishReason(enum.StrEnum):
@@ -30,6 +31,7 @@ class Sequence:
     num_drafted: int = 0
     num_accepted: int = 0
     num_sent_to_proposer: int = 0  # committed tokens the proposer has seen
+    acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

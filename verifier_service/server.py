@@ -272,6 +272,7 @@ class VerifierServer:
             max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=max_model_len,
             max_waiting=config.max_waiting,
+            adaptive_k=config.adaptive_k,
         )
         cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
         engine = build_engine((model, arch), proposer, engine_config, cache)

@@ -24,6 +24,7 @@ class ModelArch:
     mlp_bias: bool = False
     rope_parameters: dict[str, Any] = field(default_factory=dict)
     eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None  # attention window, if the model limits it (Mistral v0.1, some Qwen2)
 
     @property
     def q_size(self) -> int:
@@ -61,7 +62,16 @@ class ModelArch:
             mlp_bias=bool(getattr(config, "mlp_bias", False)),
             rope_parameters=_rope_parameters(config),
             eos_token_ids=_eos_ids(getattr(config, "eos_token_id", None)),
+            sliding_window=_sliding_window(config, model_type),
         )
+
+    def check_context_length(self, max_model_len: int, name: str = "the model") -> None:
+        """Our attention is full (not windowed): refuse contexts where the two would differ."""
+        if self.sliding_window is not None and max_model_len > self.sliding_window:
+            raise ValueError(
+                f"{name} uses sliding-window attention ({self.sliding_window} tokens), which specdec does not "
+                f"implement; set max_model_len <= {self.sliding_window} (got {max_model_len})"
+            )
 
 
 def _rope_parameters(config: Any) -> dict[str, Any]:
@@ -72,6 +82,13 @@ def _rope_parameters(config: Any) -> dict[str, Any]:
         params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
     params.setdefault("rope_type", params.pop("type", "default"))
     return params
+
+
+def _sliding_window(config: Any, model_type: str) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if model_type == "qwen2" and not getattr(config, "use_sliding_window", False):
+        return None
+    return int(window) if window else None
 
 
 def _eos_ids(eos: Any) -> tuple[int, ...]:

@@ -17,9 +17,18 @@ COMBOS = [(kind, k) for kind in ("draft", "ngram") for k in (1, 3, 5)]
 
 
 def make_engine(
-    target, draft, kind: str, k: int, max_num_seqs: int, num_blocks: int | None = None, max_model_len: int = 1024
+    target,
+    draft,
+    kind: str,
+    k: int,
+    max_num_seqs: int,
+    num_blocks: int | None = None,
+    max_model_len: int = 1024,
+    adaptive_k: bool = False,  # fixed k: every step drafts k tokens, the hard case for exactness
 ) -> Engine:
-    config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    config = EngineConfig(
+        num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len, adaptive_k=adaptive_k
+    )
     cache = CacheConfig(block_size=16, num_blocks=num_blocks)
     drafter = NgramDrafter() if kind == "ngram" else make_draft_model_drafter(*draft, config, CacheConfig())
     return build_engine(target, drafter, config, cache)
@@ -62,6 +71,12 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
     assert engine.stats.drafted_tokens > 0
     if kind == "draft":
         assert engine.stats.accepted_tokens > 0
+
+
+def test_adaptive_draft_length(target, draft, prompts, greedy_references):
+    engine = make_engine(target, draft, "draft", 4, max_num_seqs=8, adaptive_k=True)
+    outputs = run_all(engine, dict(enumerate(prompts)))
+    assert_same(outputs, greedy_references, "draft adaptive k batch 8")
 
 
 def batch1_assignment() -> list[tuple[str, int, list[int]]]:

@@ -48,6 +48,11 @@ def counting(prompt_len: int, n: int) -> list[int]:
     return [1000 + prompt_len + i for i in range(n)]
 
 
+def ONE_CHUNK(request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
+    """With hang=True: one step's tokens, then the stream stays open (a long generation)."""
+    return [counting(len(request.prompt_token_ids), 2)]
+
+
 @dataclass
 class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     name: str
@@ -56,6 +61,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     finish_reason: int = LENGTH
     stop_token_id: int | None = None
     hang: bool = False  # after the script: keep the stream open until cancelled
+    abort_at_end: bool = False  # after the script: die (UNAVAILABLE) instead of sending the final message
     fail_after: int | None = None  # abort with UNAVAILABLE once this many tokens were sent
     error: tuple[grpc.StatusCode, str] | None = None  # abort at once with this status
     delay: float = 0.0
@@ -87,7 +93,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 msg = verifier_pb2.VerifierGenerateResponse(token_ids=chunk)
                 sent += len(chunk)
                 steps = i + 1
-                if i == len(chunks) - 1 and not self.hang:
+                if i == len(chunks) - 1 and not (self.hang or self.abort_at_end):
                     msg.finish_reason = self.finish_reason
                     if self.stop_token_id is not None:
                         msg.stop_token_id = self.stop_token_id
@@ -107,6 +113,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                     await asyncio.sleep(self.delay)
             if self.hang:
                 await asyncio.Event().wait()
+            if self.abort_at_end:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} died")
         except asyncio.CancelledError:
             self.cancelled.set()
             raise
@@ -156,15 +164,8 @@ class Harness:
         self.tokenizer = tokenizer
         self.fakes = fakes
         self.verifiers = tuple(f.address for f in fakes) + tuple(extra or ())
-        self.config = GatewayConfig(
-            verifiers=self.verifiers,
-            host="127.0.0.1",
-            port=0,
-            health_check_interval_s=0.1,
-            health_check_timeout_s=0.5,
-            drain_timeout_s=0.5,
-            **config,
-        )
+        settings: dict[str, Any] = {"health_check_interval_s": 0.1, "health_check_timeout_s": 2.0, **config}
+        self.config = GatewayConfig(verifiers=self.verifiers, host="127.0.0.1", port=0, drain_timeout_s=0.5, **settings)
         self.gateway: RunningGateway
         self.channel: grpc.aio.Channel
         self.stub: gateway_pb2_grpc.GatewayStub
@@ -242,7 +243,7 @@ def test_streams_utf8_safe_text_one_token_at_a_time(tokenizer):
             # The verifier gets token ids, every sampling field explicitly, and the defaults resolved.
             req = fs.fake.requests[0]
             assert list(req.prompt_token_ids) == prompt_ids
-            assert req.request_id == "r1" and req.max_tokens == 128
+            assert req.request_id == "r1" and req.max_tokens == MAX_MODEL_LEN  # default 128, clamped
             sp = req.sampling_params
             assert sp.HasField("top_k") and sp.HasField("min_p") and sp.seed == 7
             assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)
@@ -378,6 +379,41 @@ def test_unavailable_when_the_only_verifier_is_down_or_unhealthy(tokenizer):
     run(scenario())
 
 
+def test_a_verifier_back_since_the_last_check_is_found_by_the_request_itself(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        # Periodic checks far apart: only the on-demand re-check can notice the verifier is back.
+        async with Harness(tokenizer, [fs], health_check_interval_s=60.0) as h:
+            await fs.set_serving(False)
+            await h.gateway.pool.check(h.gateway.pool[fs.address])
+            assert not (await h.backend_of(fs)).healthy
+            await fs.set_serving(True)
+            assert joined(await h.generate(prompt_token_ids=[1], max_tokens=2))[0] == counting(1, 2)
+
+    run(scenario())
+
+
+def test_gateway_readiness_follows_verifier_health(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h:
+            address, service = h.gateway.address, "specdec.v1.Gateway"
+            assert await asyncio.to_thread(health_probe.main, [address, "--service", service]) == 0
+            await fs.set_serving(False)
+            await h.wait_healthy(fs, False)
+            for _ in range(100):  # the readiness update follows the backend's state change
+                ok, state = await asyncio.to_thread(health_probe.check_once, address, service)
+                if not ok:
+                    break
+                await asyncio.sleep(0.02)
+            assert not ok and state == "NOT_SERVING"
+            assert await asyncio.to_thread(health_probe.main, [address]) == 0  # liveness is unaffected
+            await fs.set_serving(True)
+            assert await asyncio.to_thread(health_probe.main, [address, "--service", service, "--wait", "5"]) == 0
+
+    run(scenario())
+
+
 def test_gateway_health_reflection_stats_and_probe(tokenizer):
     async def scenario() -> None:
         fs = await start_fake()
@@ -432,7 +468,7 @@ def test_sessions_stick_to_one_verifier_and_only_a_lost_verifiers_sessions_move(
 
 def test_requests_without_session_go_to_the_least_loaded_verifier(tokenizer):
     async def scenario() -> None:
-        fakes = [await start_fake(f"v{i}", hang=True) for i in range(3)]
+        fakes = [await start_fake(f"v{i}", script=ONE_CHUNK, hang=True) for i in range(3)]
         async with Harness(tokenizer, fakes) as h:
 
             async def open_stream() -> tuple[Any, str]:
@@ -463,7 +499,7 @@ def test_requests_without_session_go_to_the_least_loaded_verifier(tokenizer):
 
 def test_client_cancellation_cancels_the_verifier_call(tokenizer):
     async def scenario() -> None:
-        fs = await start_fake(hang=True)
+        fs = await start_fake(script=ONE_CHUNK, hang=True)
         async with Harness(tokenizer, [fs]) as h:
             call = h.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=10))
             first = await call.read()
@@ -478,14 +514,14 @@ def test_client_cancellation_cancels_the_verifier_call(tokenizer):
 
 def test_deadline_is_passed_to_the_verifier_and_enforced(tokenizer):
     async def scenario() -> None:
-        fs = await start_fake(hang=True)
+        fs = await start_fake(script=ONE_CHUNK, hang=True)
         async with Harness(tokenizer, [fs]) as h:
             await expect_error(
                 h.generate(prompt_token_ids=[1], max_tokens=10, timeout=0.5), grpc.StatusCode.DEADLINE_EXCEEDED, ""
             )
             await asyncio.wait_for(fs.fake.cancelled.wait(), 5)
             (remaining,) = fs.fake.time_remaining
-            assert remaining is not None and remaining <= 0.5
+            assert remaining is not None and remaining < 0.6  # grpc-timeout is rounded on the wire
 
     run(scenario())
 
@@ -530,6 +566,35 @@ def test_failure_with_no_other_verifier_is_unavailable(tokenizer):
                     received.extend(r.token_ids)
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
             assert received == counting(1, 4)
+
+    run(scenario())
+
+
+def test_verifier_dying_after_the_last_token_needs_no_resume(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("All done.")
+
+    async def scenario() -> None:
+        # The EOS token arrived, the final message did not: the request is complete, no other verifier needed.
+        fs = await start_fake(script=lambda req: [ids, [eos]], abort_at_end=True)
+        async with Harness(tokenizer, [fs]) as h:
+            responses = await h.generate(prompt_token_ids=[1], max_tokens=10)
+            got_ids, text = joined(responses)
+            assert got_ids == [*ids, eos] and text == "All done."
+            assert responses[-1].finish_reason == STOP and responses[-1].stop_token_id == eos
+            assert responses[-1].usage.completion_tokens == len(ids) + 1
+
+    run(scenario())
+
+
+def test_tokens_beyond_max_tokens_are_cut(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(script=lambda req: [counting(1, 3), counting(4, 5)], hang=True)
+        async with Harness(tokenizer, [fs]) as h:
+            responses = await h.generate(prompt_token_ids=[1], max_tokens=6)
+            assert joined(responses)[0] == counting(1, 6)
+            assert responses[-1].finish_reason == LENGTH and responses[-1].usage.completion_tokens == 6
+            await asyncio.wait_for(fs.fake.cancelled.wait(), 5)
 
     run(scenario())
 

@@ -35,6 +35,7 @@ def weak_draft():
 
 
 def engine_with(target, drafter=None, k=3, max_num_seqs=4, num_blocks=None, block_size=4, max_model_len=128, **kw):
+    kw.setdefault("adaptive_k", False)  # fixed k unless a test is about the adaptive policy
     config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kw)
     cache = CacheConfig(block_size=block_size, num_blocks=num_blocks)
     if drafter == "same":
@@ -260,3 +261,24 @@ def test_sampled_output_law_matches_target(target_hf, target, weak_draft):
         assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4
     # Drafts were really sampled and both accepted and rejected, so the check covered both paths.
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
+
+
+@pytest.mark.parametrize("drafter", ["same", "weak"])
+def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_draft, drafter):
+    d = weak_draft if drafter == "weak" else "same"
+    ps = prompts(3, seed=21)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    fixed = engine_with(target, d, k=4)
+    run(fixed, ps, params)
+    engine = engine_with(target, d, k=4, adaptive_k=True)
+    # Pin the cost ratio: here the "draft" costs as much as the target, and wall time is noisy in tests.
+    engine.scheduler.cost_ratio.update(0.3, 1, 1.0)
+    engine.scheduler.cost_ratio.update = lambda *args: None
+    outs = run(engine, ps, params)
+    for i, p in enumerate(ps):
+        assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)
+    drafted_share = engine.stats.drafted_tokens / fixed.stats.drafted_tokens
+    if drafter == "same":
+        assert drafted_share > 0.9  # everything is accepted: keep drafting the full k
+    else:
+        assert drafted_share < 0.35  # a draft the target rarely agrees with is mostly switched off

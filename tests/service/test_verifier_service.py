@@ -1,0 +1,519 @@
+"""The verifier service over real grpc.aio on loopback: tiny random-weight target, the same weights as draft.
+
+Greedy output over gRPC must equal plain greedy decoding with our runner at k = 0 (an in-process Engine
+without a drafter), whatever the proposer does: agree, disappear, answer late, stale or with garbage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import math
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proposer_service.config import ProposerConfig
+from proposer_service.server import ProposerInfo, ProposerServer
+from shared.config import load_config
+from shared.model.loader import build_model
+from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from shared.sampling import SamplingParams
+from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter, tiny_llama
+from verifier_service.builder import CacheConfig, build_engine
+from verifier_service.config import VerifierConfig
+from verifier_service.engine import EngineConfig
+from verifier_service.server import VerifierServer
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 7, 7], [100, 50, 25, 12, 6, 3, 1, 0, 127]]
+G = common_pb2
+
+
+@functools.cache
+def reference(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
+    """Plain greedy decoding with our runner, target alone (k = 0), one request at a time."""
+    arch, state = tiny_llama()
+    engine = build_engine(
+        (build_model(arch, state), arch), None, EngineConfig(max_model_len=MAX_LEN), CacheConfig(block_size=8)
+    )
+    engine.add_request("ref", list(prompt), SamplingParams(max_tokens=max_tokens))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out += o.new_token_ids
+    return out
+
+
+def vconfig(proposers=(), **kw) -> VerifierConfig:
+    kw.setdefault("max_model_len", MAX_LEN)
+    kw.setdefault("block_size", 8)
+    kw.setdefault("proposer_timeout_ms", 2000)
+    kw.setdefault("proposer_reconnect_max_s", 0.3)
+    kw.setdefault("adaptive_k", False)  # the draft here is as costly as the target: adaptive k would stop drafting
+    return VerifierConfig(host="127.0.0.1", port=0, proposer=tuple(proposers), **kw)
+
+
+async def start_verifier(proposers=(), wait=True, step_delay_s=0.0, **kw) -> VerifierServer:
+    arch, state = tiny_llama()
+    server = await VerifierServer.start(
+        vconfig(proposers, **kw), target=(build_model(arch, state), arch), model_name="tiny"
+    )
+    if proposers and server.proposer is not None and wait:
+        await server.proposer.wait_connected(5)
+    if step_delay_s:  # a slower engine, so that timing-dependent states last long enough to observe
+        engine = server.loop.engine
+        step = engine.step
+
+        def slow_step():
+            time.sleep(step_delay_s)
+            return step()
+
+        engine.step = slow_step  # type: ignore[method-assign]
+    return server
+
+
+async def start_proposer(port: int = 0) -> ProposerServer:
+    info = ProposerInfo("draft-model", "tiny", VOCAB, "", 8, MAX_LEN)
+    return await ProposerServer.start(ProposerConfig(host="127.0.0.1", port=port), make_drafter(), info)
+
+
+def request(prompt, max_tokens=None, **kw) -> verifier_pb2.VerifierGenerateRequest:
+    params = kw.pop("params", {})
+    return verifier_pb2.VerifierGenerateRequest(
+        prompt_token_ids=prompt, max_tokens=max_tokens, sampling_params=G.SamplingParams(**params), **kw
+    )
+
+
+async def collect(stub, req) -> tuple[list[int], list[verifier_pb2.VerifierGenerateResponse]]:
+    tokens, messages = [], []
+    async for msg in stub.Generate(req, timeout=60):
+        tokens += msg.token_ids
+        messages.append(msg)
+    return tokens, messages
+
+
+async def rest(call) -> list[verifier_pb2.VerifierGenerateResponse]:
+    """The remaining messages of a call already read with read() (grpc forbids mixing in async for)."""
+    messages = []
+    while (msg := await call.read()) is not grpc.aio.EOF:
+        messages.append(msg)
+    return messages
+
+
+async def stats(stub) -> G.EngineStats:
+    return (await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())).stats
+
+
+async def eventually(check, timeout=5.0):
+    for _ in range(int(timeout / 0.02)):
+        result = check() if not asyncio.iscoroutinefunction(check) else await check()
+        if result:
+            return result
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
+def run(coro) -> None:
+    asyncio.run(asyncio.wait_for(coro, 60))
+
+
+# ---- tests --------------------------------------------------------------------------------------
+
+
+def test_greedy_over_grpc_with_the_target_as_draft_matches_plain_greedy():
+    async def body():
+        proposer = await start_proposer()
+        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                results = await asyncio.gather(
+                    *(collect(stub, request(p, 24, request_id=f"r{i}")) for i, p in enumerate(PROMPTS))
+                )
+                for prompt, (tokens, messages) in zip(PROMPTS, results, strict=True):
+                    assert tokens == reference(tuple(prompt), 24)
+                    last = messages[-1]
+                    assert last.finish_reason == G.FINISH_REASON_LENGTH
+                    assert all(m.finish_reason == G.FINISH_REASON_UNSPECIFIED for m in messages[:-1])
+                    assert not any(m.HasField("usage") for m in messages[:-1])
+                    u = last.usage
+                    assert (u.prompt_tokens, u.completion_tokens) == (len(prompt), 24)
+                    assert u.num_steps == len([m for m in messages if m.token_ids]) < 24  # several tokens a step
+                    assert u.accepted_tokens >= 0.9 * u.drafted_tokens > 0  # draft == target: (nearly) all accepted
+                    assert math.isclose(u.mean_accepted_length, 24 / u.num_steps)
+                s = await stats(stub)
+                assert s.proposer_connected and s.acceptance_rate >= 0.9 and s.drafted_tokens > 0
+                assert s.emitted_tokens == 72 and s.finished_requests == 3 and s.aborted_requests == 0
+                assert math.isclose(s.mean_accepted_length, s.emitted_tokens / s.sequence_steps)
+                assert s.kv_blocks_free == s.kv_blocks_total and s.kv_blocks_used == 0 and s.kv_block_size == 8
+                info = await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())
+                assert (info.model, info.max_model_len, info.vocab_size, info.tensor_parallel_size) == (
+                    "tiny",
+                    MAX_LEN,
+                    VOCAB,
+                    1,
+                )
+                # max_draft_tokens = 0 turns speculation off for one request; the output is the same.
+                tokens, messages = await collect(stub, request(PROMPTS[0], 10, max_draft_tokens=0))
+                assert tokens == reference(tuple(PROMPTS[0]), 10) and messages[-1].usage.drafted_tokens == 0
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="specdec.v1.Verifier")
+                )
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
+def test_without_a_proposer_the_target_decodes_alone():
+    async def body():
+        verifier = await start_verifier()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                tokens, messages = await collect(stub, request(PROMPTS[2], 12))
+                assert tokens == reference(tuple(PROMPTS[2]), 12)
+                assert len(messages) == 12 and messages[-1].usage.drafted_tokens == 0
+                # a stop token ends the request with STOP and names it
+                stop = reference(tuple(PROMPTS[2]), 12)[4]
+                tokens, messages = await collect(stub, request(PROMPTS[2], 12, stop_token_ids=[stop]))
+                assert tokens[-1] == stop and messages[-1].finish_reason == G.FINISH_REASON_STOP
+                assert messages[-1].stop_token_id == stop
+                s = await stats(stub)
+                assert not s.proposer_connected and s.drafted_tokens == 0
+        finally:
+            await verifier.shutdown(0.5)
+
+    run(body())
+
+
+def test_proposer_killed_mid_generation_requests_finish_exactly_and_it_reconnects():
+    async def body():
+        proposer = await start_proposer()
+        port = proposer.port
+        verifier = await start_verifier([f"127.0.0.1:{port}"], step_delay_s=0.02)
+        remote = verifier.proposer
+        assert remote is not None
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
+                outputs: list[list[int]] = [[], []]
+                for i, call in enumerate(calls):
+                    outputs[i] += (await call.read()).token_ids
+                await proposer.server.stop(0)  # the proposer dies mid-generation
+                for i, call in enumerate(calls):
+                    for msg in await rest(call):
+                        outputs[i] += msg.token_ids
+                for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
+                    assert out == reference(tuple(prompt), 60)
+                assert remote.fallback_steps > 0 and not (await stats(stub)).proposer_connected
+                # it comes back on the same port: the verifier reconnects and speculates again
+                proposer = await start_proposer(port)
+                assert await remote.wait_connected(10)
+                tokens, messages = await collect(stub, request(PROMPTS[2], 16))
+                assert tokens == reference(tuple(PROMPTS[2]), 16)
+                assert messages[-1].usage.accepted_tokens > 0
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
+class FakeProposer(proposer_pb2_grpc.ProposerServicer):
+    """Misbehaves in turn: stale committed_len, out-of-vocabulary ids, wrong (valid) drafts, late answers."""
+
+    def __init__(self, vocab_size=VOCAB) -> None:
+        self.vocab_size = vocab_size
+        self.steps = 0
+
+    async def GetInfo(self, request, context):
+        return proposer_pb2.GetInfoResponse(
+            kind=proposer_pb2.PROPOSER_KIND_DRAFT_MODEL, vocab_size=self.vocab_size, max_k=8
+        )
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.steps += 1
+            mode = self.steps % 4
+            if mode == 3 and self.steps < 8:
+                await asyncio.sleep(0.5)  # past the verifier's deadline
+            drafts = []
+            for s in req.sequences:
+                ids = [(s.committed_len * 7 + i) % VOCAB for i in range(s.k)]
+                if mode == 0:
+                    drafts.append(
+                        proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len - 1, draft_token_ids=ids)
+                    )
+                elif mode == 1:
+                    drafts.append(
+                        proposer_pb2.Draft(
+                            seq_id=s.seq_id, committed_len=s.committed_len, draft_token_ids=[VOCAB + 5] * s.k
+                        )
+                    )
+                else:
+                    drafts.append(
+                        proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len, draft_token_ids=ids)
+                    )
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id, drafts=drafts)
+
+
+async def start_fake(fake) -> tuple[grpc.aio.Server, int]:
+    server = grpc.aio.server()
+    proposer_pb2_grpc.add_ProposerServicer_to_server(fake, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    return server, port
+
+
+def test_stale_garbage_and_late_drafts_never_change_the_output():
+    async def body():
+        fake_server, port = await start_fake(FakeProposer())
+        verifier = await start_verifier([f"127.0.0.1:{port}"], proposer_timeout_ms=200)
+        remote = verifier.proposer
+        assert remote is not None
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                results = await asyncio.gather(*(collect(stub, request(p, 30)) for p in PROMPTS))
+                for prompt, (tokens, _) in zip(PROMPTS, results, strict=True):
+                    assert tokens == reference(tuple(prompt), 30)
+                assert verifier.loop.engine.stats.stale_drafts > 0  # wrong committed_len: discarded
+                assert remote.invalid_drafts > 0  # ids outside the vocabulary: discarded
+                assert remote.timeouts > 0 and remote.fallback_steps > 0  # late: k = 0 for that step
+                assert (await stats(stub)).drafted_tokens > 0  # wrong but valid drafts were scored (and rejected)
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    run(body())
+
+
+def test_a_proposer_with_another_vocabulary_is_refused():
+    async def body():
+        fake_server, port = await start_fake(FakeProposer(vocab_size=VOCAB * 2))
+        verifier = await start_verifier([f"127.0.0.1:{port}"], wait=False)
+        try:
+            assert verifier.proposer is not None and not await verifier.proposer.wait_connected(0.5)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                tokens, _ = await collect(stub, request(PROMPTS[0], 8))
+                assert tokens == reference(tuple(PROMPTS[0]), 8)
+                assert not (await stats(stub)).proposer_connected
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    run(body())
+
+
+def test_sampled_requests_are_reproducible_with_a_seed():
+    async def body():
+        proposer = await start_proposer()
+        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                params = {"temperature": 0.8, "top_p": 0.95, "seed": 7}
+                first, m1 = await collect(stub, request(PROMPTS[0], 20, params=params))
+                second, _ = await collect(stub, request(PROMPTS[0], 20, params=params))
+                assert first == second and len(first) == 20
+                assert 0 < m1[-1].usage.accepted_tokens <= m1[-1].usage.drafted_tokens
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
+BAD_REQUESTS = [
+    (request([], 5), "empty"),
+    (request(list(range(1, 100)) * 3, 5), "context limit"),
+    (request([1, 2], 0), "max_tokens"),
+    (request([1, 2], MAX_LEN + 1), "max_tokens"),
+    (request([1, 2], 5, params={"temperature": -0.5}), "temperature"),
+    (request([1, 2], 5, params={"temperature": float("nan")}), "temperature"),
+    (request([1, 2], 5, params={"top_p": 0.0}), "top_p"),
+    (request([1, 2], 5, params={"top_p": 1.5}), "top_p"),
+    (request([1, 2], 5, params={"top_k": -1}), "top_k"),
+    (request([1, 2], 5, params={"min_p": 2.0}), "min_p"),
+    (request([1, VOCAB], 5), "vocabulary"),
+    (request([-1, 2], 5), "vocabulary"),
+    (request([1, 2], 5, stop_token_ids=[VOCAB + 1]), "stop_token_ids"),
+    (request([1, 2], 5, request_id="long"), "already running"),
+]
+
+
+def test_bad_input_is_invalid_argument_and_does_not_disturb_a_running_request():
+    async def body():
+        verifier = await start_verifier()
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                long = stub.Generate(request(PROMPTS[1], 40, request_id="long"), timeout=60)
+                tokens = list((await long.read()).token_ids)
+                for bad, words in BAD_REQUESTS:
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await collect(stub, bad)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, words
+                    assert words in (err.value.details() or ""), err.value.details()
+                for msg in await rest(long):
+                    tokens += msg.token_ids
+                assert tokens == reference(tuple(PROMPTS[1]), 40)
+                s = await stats(stub)
+                assert s.kv_blocks_free == s.kv_blocks_total and s.finished_requests == 1
+        finally:
+            await verifier.shutdown(0.5)
+
+    run(body())
+
+
+def test_queue_full_is_resource_exhausted_and_cancel_frees_kv_blocks():
+    async def body():
+        verifier = await start_verifier(max_num_seqs=1, max_waiting=1, step_delay_s=0.01)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                running = stub.Generate(request(PROMPTS[0], 200), timeout=60)
+                await running.read()
+                waiting = stub.Generate(request(PROMPTS[1], 200), timeout=60)
+                await eventually(lambda: verifier.loop.engine.scheduler.waiting)
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(stub, request(PROMPTS[2], 5))
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                s = await stats(stub)
+                assert (s.running_requests, s.waiting_requests) == (1, 1) and s.kv_blocks_free < s.kv_blocks_total
+                running.cancel()  # the client goes away: its blocks come back, the waiting one runs
+                await waiting.read()
+                waiting.cancel()
+
+                async def all_free():
+                    s = await stats(stub)
+                    return s.kv_blocks_free == s.kv_blocks_total and s.running_requests == s.waiting_requests == 0
+
+                await eventually(all_free)
+                s = await stats(stub)
+                assert s.aborted_requests == 2 and s.finished_requests == 0
+                # the engine still serves correctly afterwards
+                tokens, _ = await collect(stub, request(PROMPTS[2], 6))
+                assert tokens == reference(tuple(PROMPTS[2]), 6)
+        finally:
+            await verifier.shutdown(0.5)
+
+    run(body())
+
+
+def test_shutdown_drains_then_aborts_and_refuses_new_requests():
+    async def body():
+        verifier = await start_verifier(step_delay_s=0.01)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            long = stub.Generate(request(PROMPTS[0], 200), timeout=60)
+            short = stub.Generate(request(PROMPTS[1], 4), timeout=60)
+            await long.read()
+            shutdown = asyncio.create_task(verifier.shutdown(0.8))
+            await asyncio.sleep(0.2)
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, request(PROMPTS[2], 3))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            short_msgs = await rest(short)
+            assert short_msgs[-1].finish_reason == G.FINISH_REASON_LENGTH  # finished within the grace period
+            long_msgs = await rest(long)
+            assert long_msgs[-1].finish_reason == G.FINISH_REASON_ABORT  # aborted after it
+            produced = [t for m in long_msgs for t in m.token_ids]
+            assert long_msgs[-1].usage.completion_tokens == len(produced) + 1  # + the first message's token
+            await shutdown
+
+    run(body())
+
+
+def test_config_reads_flags_and_env(monkeypatch):
+    monkeypatch.setenv("SPECDEC_NUM_SPECULATIVE_TOKENS", "6")
+    monkeypatch.setenv("SPECDEC_PROPOSER", "a:1, b:2")
+    cfg = load_config(VerifierConfig, ["--model", "m", "--port", "9", "--max-waiting", "3"])
+    assert (cfg.model, cfg.port, cfg.max_waiting, cfg.num_speculative_tokens) == ("m", 9, 3, 6)
+    assert cfg.proposer == ("a:1", "b:2")
+    assert load_config(VerifierConfig, ["--proposer", "h:50053", "--num-speculative-tokens", "2"]).proposer == (
+        "h:50053",
+    )
+    assert load_config(VerifierConfig, ["--proposer", ""]).proposer == ()
+    assert load_config(VerifierConfig, ["--no-adaptive-k"]).adaptive_k is False
+    for argv in (["--tensor-parallel-size", "2"], ["--proposer", "nohost"], ["--max-model-len", "0"]):
+        with pytest.raises(SystemExit):
+            load_config(VerifierConfig, argv)
+
+
+def test_serve_loads_the_model_from_disk_and_exits_on_sigterm(tmp_path):
+    """The CLI path: load_config -> serve(): loads --model from a folder, serves, drains on SIGTERM."""
+    import json
+    import os
+    import signal
+
+    from safetensors.torch import save_file
+
+    from verifier_service.server import serve
+
+    arch, state = tiny_llama()
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "vocab_size": VOCAB,
+                "hidden_size": arch.hidden_size,
+                "intermediate_size": arch.intermediate_size,
+                "num_hidden_layers": arch.num_layers,
+                "num_attention_heads": arch.num_heads,
+                "num_key_value_heads": arch.num_kv_heads,
+                "max_position_embeddings": MAX_LEN,
+                "rms_norm_eps": arch.rms_norm_eps,
+                "tie_word_embeddings": False,
+            }
+        )
+    )
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    config = load_config(
+        VerifierConfig,
+        [
+            "--model",
+            str(tmp_path),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--max-model-len",
+            str(MAX_LEN),
+            "--block-size",
+            "8",
+            "--grace-period-s",
+            "2",
+            "--device",
+            "cpu",
+        ],
+    )
+    outcome: dict = {}
+
+    def on_ready(server: VerifierServer) -> None:
+        async def client() -> None:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                call = stub.Generate(request(PROMPTS[0], 12), timeout=30)
+                first = await call.read()
+                os.kill(os.getpid(), signal.SIGTERM)  # the running request still finishes within the grace period
+                outcome["tokens"] = list(first.token_ids) + [t for m in await rest(call) for t in m.token_ids]
+
+        outcome["task"] = asyncio.get_running_loop().create_task(client())
+
+    async def main() -> None:
+        await serve(config, on_ready)
+        await outcome["task"]
+
+    run(main())
+    assert outcome["tokens"] == reference(tuple(PROMPTS[0]), 12)

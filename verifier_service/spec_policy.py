@@ -1,0 +1,57 @@
+"""Adaptive draft length: draft only as far as it pays.
+
+With per-token acceptance rate `alpha` and a draft position costing `cost_ratio` of a target forward,
+a round with k drafts emits (1 - alpha^(k+1)) / (1 - alpha) tokens on average for 1 + k * cost_ratio
+target-forward units (Leviathan et al. 2023, eq. 1 and theorem 3.8). The policy picks the k that
+maximises that ratio per sequence; k = 0 (plain decoding) wins when the draft is weak. A sequence at
+k = 0 learns nothing about its acceptance, so every `probe_interval` steps it drafts once at k = 1.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+
+
+def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
+    """Expected tokens per target-forward unit of a round with k drafts, relative to plain decoding."""
+    tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    return tokens / (1.0 + k * cost_ratio)
+
+
+def best_draft_length(alpha: float, k_max: int, cost_ratio: float) -> int:
+    # Ties go to the shorter draft: equal expected speed for less work.
+    return max(range(k_max + 1), key=lambda k: (round(expected_speedup(alpha, k, cost_ratio), 9), -k))
+
+
+@dataclass
+class AcceptanceEstimate:
+    """Exponential moving average of one sequence's per-token acceptance."""
+
+    alpha: float = 0.5  # an agnostic prior: try drafting, then learn
+    weight: float = 0.15
+    steps_at_zero: int = 0
+
+    def update(self, num_drafted: int, num_accepted: int) -> None:
+        # Positions past the first rejection were never tested: they carry no evidence.
+        tested = min(num_drafted, num_accepted + 1)
+        for position in range(tested):
+            accepted = 1.0 if position < num_accepted else 0.0
+            self.alpha += self.weight * (accepted - self.alpha)
+
+
+class CostRatio:
+    """(time per draft position) / (time of the target's scoring forward), as the median of recent steps:
+    a drafter's first round for a sequence includes its prompt prefill, an outlier a median ignores."""
+
+    def __init__(self, window: int = 32) -> None:
+        self.samples: deque[float] = deque(maxlen=window)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.samples) if self.samples else 0.0  # optimistic until measured
+
+    def update(self, propose_seconds: float, draft_positions: int, score_seconds: float) -> None:
+        if draft_positions > 0 and score_seconds > 0:
+            self.samples.append(propose_seconds / draft_positions / score_seconds)
