@@ -127,7 +127,8 @@ class DraftModelDrafter:
                 continue
             # Truncate to the top_n tokens and sample from exactly that renormalised distribution.
             top_probs, top_ids = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
-            top_probs = top_probs / top_probs.sum()
+            # The generators are CPU generators, and the wire wants CPU tensors anyway.
+            top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), top_ids.cpu()
             choice = torch.multinomial(top_probs, 1, generator=states[row].generator)
             yield int(top_ids[choice]), (top_ids, top_probs)
 

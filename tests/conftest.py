@@ -12,3 +12,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 torch.set_num_threads(2)
+
+# Real-model fixtures (session-scoped: models load once, references are generated once per run).
+from tests.real_models import draft, greedy_references, prompts, target, tokenizer  # noqa: E402, F401

@@ -16,6 +16,18 @@ from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinea
 from shared.model.rope import RotaryEmbedding, apply_rotary
 
 
+class Embedding(torch.nn.Module):
+    """A [vocab, hidden] table used as the embedding and, untied, as the LM head. No random init: weights
+    always come from a checkpoint, and nn.Embedding's init pulls in torch._dynamo (seconds at start-up)."""
+
+    def __init__(self, vocab_size: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.weight)
+
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -85,13 +97,11 @@ class LlamaModel(torch.nn.Module):
         self.tp = tp
         # Embedding and LM head are replicated: at 49k x 576 they are small next to the blocks, and
         # replication keeps the sampler's full-vocabulary logits free of an extra all-gather.
-        self.embed_tokens = torch.nn.Embedding(arch.vocab_size, arch.hidden_size).requires_grad_(False)
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = torch.nn.ModuleList(DecoderLayer(arch, tp) for _ in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings)
-        self.lm_head = None
-        if not arch.tie_word_embeddings:
-            self.lm_head = torch.nn.Linear(arch.hidden_size, arch.vocab_size, bias=False).requires_grad_(False)
+        self.lm_head = None if arch.tie_word_embeddings else Embedding(arch.vocab_size, arch.hidden_size)
         self.backend = TorchPagedAttention()
 
     @torch.inference_mode()

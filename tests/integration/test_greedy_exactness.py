@@ -8,7 +8,7 @@ import pytest
 
 from proposer_service.ngram import NgramDrafter
 from shared.sampling import SamplingParams
-from tests.integration.conftest import MAX_NEW_TOKENS
+from tests.real_models import MAX_NEW_TOKENS
 from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 

@@ -1,4 +1,6 @@
-"""Real default models, loaded once per test session, and transformers' greedy reference outputs."""
+"""Real default models, loaded once per test session, and transformers' greedy reference outputs.
+
+Imported by tests/conftest.py so integration and end-to-end tests share one set of references."""
 
 from __future__ import annotations
 
