@@ -6,7 +6,6 @@ raises `shared.errors.InvalidRequestError` with messages written for a person.
 from __future__ import annotations
 
 import dataclasses
-import math
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -100,10 +99,6 @@ class Frontend:
                 raise InvalidRequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
             if req.max_tokens > cfg.max_tokens_limit:
                 raise InvalidRequestError(f"max_tokens must be at most {cfg.max_tokens_limit}, got {req.max_tokens}")
-        for name in ("temperature", "top_p", "min_p"):
-            value = getattr(req, name)
-            if value is not None and not math.isfinite(value):
-                raise InvalidRequestError(f"{name} must be a finite number, got {value}")
         try:
             self._sampling(req).validate()
         except ValueError as err:

@@ -6,6 +6,7 @@ would sample from, so both sides must go through `logits_to_probs` and nothing e
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +28,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int | None = None) -> None:
-        """Raise ValueError with a message a person understands."""
+        """Raise ValueError with a message a person understands. The one place sampling values are checked."""
+        for name in ("temperature", "top_p", "min_p"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -48,39 +47,22 @@ def request_to_domain(
 ) -> tuple[list[int], SamplingParams, int | None]:
     """(prompt ids, sampling params, max_draft_tokens). Raises InvalidRequestError with a readable message.
 
-    Checks that need the engine (token ids in the vocabulary, prompt within the context, stop ids) are the
-    engine's, so they hold for every caller.
+    Sampling values, token ids, the prompt's length and stop ids are checked by the engine
+    (SamplingParams.validate), so the checks hold for every caller and are written once.
     """
     prompt = list(request.prompt_token_ids)
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
     sp = request.sampling_params
     base = SamplingParams()
-    temperature = sp.temperature if sp.HasField("temperature") else base.temperature
-    top_p = sp.top_p if sp.HasField("top_p") else base.top_p
-    top_k = sp.top_k if sp.HasField("top_k") else base.top_k
-    min_p = sp.min_p if sp.HasField("min_p") else base.min_p
-    if not math.isfinite(temperature) or temperature < 0:
-        raise InvalidRequestError(f"temperature must be a number >= 0 (0 is greedy), got {temperature}")
-    if not math.isfinite(top_p) or not 0.0 < top_p <= 1.0:
-        raise InvalidRequestError(f"top_p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise InvalidRequestError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if not math.isfinite(min_p) or not 0.0 <= min_p <= 1.0:
-        raise InvalidRequestError(f"min_p must be in [0, 1], got {min_p}")
-    if request.HasField("max_tokens"):
-        max_tokens = request.max_tokens
-        if max_tokens <= 0:
-            raise InvalidRequestError(f"max_tokens must be >= 1, got {max_tokens}")
-        if max_tokens > max_model_len:
-            raise InvalidRequestError(f"max_tokens {max_tokens} is beyond the context length {max_model_len}")
-    else:
-        max_tokens = default_max_tokens
+    max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max_tokens
+    if request.HasField("max_tokens") and max_tokens > max_model_len:
+        raise InvalidRequestError(f"max_tokens {max_tokens} is beyond the context length {max_model_len}")
     params = SamplingParams(
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        min_p=min_p,
+        temperature=sp.temperature if sp.HasField("temperature") else base.temperature,
+        top_k=sp.top_k if sp.HasField("top_k") else base.top_k,
+        top_p=sp.top_p if sp.HasField("top_p") else base.top_p,
+        min_p=sp.min_p if sp.HasField("min_p") else base.min_p,
         seed=sp.seed if sp.HasField("seed") else None,
         max_tokens=max_tokens,
         stop_token_ids=tuple(request.stop_token_ids),
