@@ -115,9 +115,14 @@ class Engine:
 
     # ---- requests -------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_draft_tokens: int | None = None
+    ) -> None:
+        """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it)."""
         self._validate(request_id, prompt_ids, params)
-        seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals))
+        if max_draft_tokens is not None and max_draft_tokens < 0:
+            raise RequestError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
+        seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), max_draft_tokens=max_draft_tokens)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 

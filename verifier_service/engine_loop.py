@@ -15,7 +15,6 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from proposer_service.drafter import Draft, Drafter, DraftRequest
 from shared.errors import UnavailableError
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput
@@ -81,29 +80,6 @@ class StatsSnapshot:
     proposer_fallback_steps: int = 0
 
 
-class DraftLimiter:
-    """Wraps the engine's drafter to honour a per-request upper bound on k (max_draft_tokens).
-
-    The scheduler picks k for the batch; this only lowers what is asked of the proposer (a drafter may
-    always return fewer tokens than asked). k = 0 still keeps the proposer's copy of the sequence current.
-    """
-
-    def __init__(self, inner: Drafter) -> None:
-        self.inner = inner
-        self.caps: dict[str, int] = {}
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        capped = [
-            dataclasses.replace(r, k=min(r.k, self.caps[r.seq_id])) if r.seq_id in self.caps else r for r in requests
-        ]
-        return self.inner.propose(capped)
-
-    def release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            self.caps.pop(seq_id, None)
-        self.inner.release(seq_ids)
-
-
 @dataclass
 class _Tracked:
     queue: asyncio.Queue
@@ -114,10 +90,6 @@ class EngineLoop:
     def __init__(self, engine: Engine, proposer: RemoteProposer | None = None) -> None:
         self.engine = engine
         self.proposer = proposer
-        self.limiter: DraftLimiter | None = None
-        if engine.drafter is not None:
-            self.limiter = DraftLimiter(engine.drafter)
-            engine.drafter = self.limiter
         self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()  # no request tracked
@@ -185,11 +157,10 @@ class EngineLoop:
         async with self._lock:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
-            self.engine.add_request(request_id, list(prompt_ids), params)  # raises on bad input or a full queue
+            # raises on bad input or a full queue
+            self.engine.add_request(request_id, list(prompt_ids), params, max_draft_tokens)
             self._requests[request_id] = tracked
             self._idle.clear()
-            if max_draft_tokens is not None and self.limiter is not None:
-                self.limiter.caps[request_id] = max_draft_tokens
         self._wake.set()
         done = False
         try:

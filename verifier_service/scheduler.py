@@ -84,7 +84,10 @@ class Scheduler:
         """k for a sequence about to decode: never past the context limit or the tokens it may still emit."""
         remaining_output = seq.params.max_tokens - len(seq.output_ids)
         room = self.config.max_model_len - len(seq.tokens)
-        k_max = max(0, min(self.config.num_speculative_tokens, remaining_output - 1, room - 1))
+        k_cap = self.config.num_speculative_tokens
+        if seq.max_draft_tokens is not None:
+            k_cap = min(k_cap, seq.max_draft_tokens)
+        k_max = max(0, min(k_cap, remaining_output - 1, room - 1))
         if not self.config.adaptive_k or k_max == 0:
             return k_max
         k = best_draft_length(seq.acceptance.alpha, k_max, self.cost_ratio.value)

@@ -24,6 +24,7 @@ class Sequence:
     prompt_ids: list[int]
     params: SamplingParams
     arrival: int  # admission order; preemption takes the newest first
+    max_draft_tokens: int | None = None  # the request's own cap on k
     tokens: list[int] = field(default_factory=list)  # prompt + output, all committed
     num_computed: int = 0  # tokens whose K/V are in the cache; the rest are fed next step
     finish_reason: FinishReason | None = None

@@ -282,3 +282,19 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
         assert drafted_share > 0.9  # everything is accepted: keep drafting the full k
     else:
         assert drafted_share < 0.35  # a draft the target rarely agrees with is mostly switched off
+
+
+def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
+    engine = engine_with(target, "same", k=4)
+    ps = prompts(2, seed=31)
+    engine.add_request("capped", ps[0], SamplingParams(max_tokens=20, ignore_eos=True), max_draft_tokens=1)
+    engine.add_request("off", ps[1], SamplingParams(max_tokens=20, ignore_eos=True), max_draft_tokens=0)
+    outs, drafted = {}, {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            drafted[out.request_id] = max(drafted.get(out.request_id, 0), out.num_drafted)
+            if out.finished:
+                outs[out.request_id] = out.output_ids
+    assert drafted == {"capped": 1, "off": 0}
+    assert outs["capped"] == hf_greedy(target_hf, ps[0], 20, eos=False)
+    assert outs["off"] == hf_greedy(target_hf, ps[1], 20, eos=False)
