@@ -35,7 +35,13 @@ class ProposerConfig:
     )
     ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
     ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
-    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel degree of the draft model"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel degree of the draft model, independent of the verifier's (1: one process, "
+            "the usual choice for a small draft)"
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
@@ -45,11 +51,10 @@ class ProposerConfig:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
-                "the proposer runs its draft model on one device (use 1)"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kind != "draft-model":
+            raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --kind draft-model")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         for name in ("max_k", "max_num_seqs", "max_model_len", "block_size", "draft_top_n"):

@@ -14,6 +14,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -27,10 +28,13 @@ from proposer_service.drafter import Draft, Drafter, DraftRequest
 from shared.config import load_config
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.model.tp_group import TPModelRunner
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 
 log = logging.getLogger("specdec.proposer")
+
+RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank of the draft model died: the proposer exits
 
 SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
 KIND_TO_PROTO = {"draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL, "ngram": proposer_pb2.PROPOSER_KIND_NGRAM}
@@ -307,29 +311,42 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     from proposer_service.draft_model import DraftModelDrafter
     from shared.kv.block_manager import BlockManager
     from shared.model.loader import load_model
+    from shared.model.runner import ModelRunner
+    from shared.model.tp_group import check_tensor_parallel
     from shared.settings import default_draft_model
-    from verifier_service.builder import CacheConfig, default_num_blocks, make_runner
+    from verifier_service.builder import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
     from verifier_service.engine import EngineConfig
 
     name = config.model or default_draft_model()
     started = time.monotonic()
-    model, arch = load_model(name, getattr(torch, config.dtype), resolve_device(config.device))
+    dtype, device, tp_size = getattr(torch, config.dtype), resolve_device(config.device), config.tensor_parallel_size
+    if tp_size > 1:  # every rank loads its own shard: read only the config here
+        arch = read_arch(name)
+        check_tensor_parallel(arch, tp_size)
+    else:
+        model, arch = load_model(name, dtype, device)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
     cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
     sizing = EngineConfig(
         num_speculative_tokens=config.max_k, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len
     )
     num_blocks = default_num_blocks(sizing, cache)
-    runner = make_runner(model, arch, num_blocks, cache)
+    runner: ModelRunner
+    if tp_size > 1:
+        runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)
+    else:
+        runner = make_runner(model, arch, num_blocks, cache)
     drafter = DraftModelDrafter(runner, BlockManager(num_blocks, config.block_size), top_n=config.draft_top_n)
     info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
     log.info(
-        "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d seconds=%.1f",
+        "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d tensor_parallel_size=%d "
+        "seconds=%.1f",
         name,
         arch.vocab_size,
         arch.num_layers,
         num_blocks,
         config.block_size,
+        tp_size,
         time.monotonic() - started,
     )
     return drafter, info
@@ -343,6 +360,9 @@ class ProposerServer:
         self.servicer = servicer
         self.health = health
         self.port = port
+        self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
+        self.failure_reason: str | None = None
+        self._failing: asyncio.Task | None = None
 
     @classmethod
     async def start(
@@ -356,12 +376,56 @@ class ProposerServer:
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = server.add_insecure_port(f"{config.host}:{config.port}")
+        tp_runner = _tp_runner(drafter)
         if not port:
+            if tp_runner is not None:
+                await asyncio.to_thread(tp_runner.close)
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
-        log.info("proposer serving host=%s port=%d kind=%s model=%s", config.host, port, info.kind, info.model)
-        return cls(server, servicer, health, port)
+        log.info(
+            "proposer serving host=%s port=%d kind=%s model=%s tensor_parallel_size=%d",
+            config.host,
+            port,
+            info.kind,
+            info.model,
+            config.tensor_parallel_size,
+        )
+        instance = cls(server, servicer, health, port)
+        if tp_runner is not None:
+            aio_loop = asyncio.get_running_loop()
+
+            def on_rank_failure(reason: str) -> None:  # any thread
+                aio_loop.call_soon_threadsafe(instance._start_failing, reason)
+
+            tp_runner.on_failure(on_rank_failure)
+        return instance
+
+    @property
+    def tp_runner(self) -> TPModelRunner | None:
+        return _tp_runner(self.servicer.drafter)
+
+    def _start_failing(self, reason: str) -> None:
+        if self.failure_reason is None:
+            self.failure_reason = reason
+            self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
+
+    async def _fail(self, reason: str) -> None:
+        """A rank died: NOT_SERVING, stop serving (the verifier decodes with k = 0 or uses another proposer
+        meanwhile), then `failed`: serve() exits non-zero."""
+        log.error("tensor-parallel rank failure, the proposer stops serving: %s", reason)
+        await set_serving(self.health, [SERVICE_NAME], False)
+        await self.server.stop(0.5)
+        self.failed.set()
+
+    def exit_after_failure(self) -> None:
+        """Exit now, non-zero; a drafting thread may be stuck in a collective, so no orderly shutdown."""
+        log.critical("exiting after a tensor-parallel failure: %s", self.failure_reason)
+        runner = self.tp_runner
+        if runner is not None:
+            runner.group.kill()
+        logging.shutdown()
+        os._exit(RANK_FAILURE_EXIT_CODE)
 
     async def shutdown(self, grace_s: float) -> None:
         """NOT_SERVING, let the batches being drafted finish (at most grace_s), then close every stream."""
@@ -369,17 +433,42 @@ class ProposerServer:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.servicer.wait_idle(grace_s)
         await self.server.stop(0.5)
+        if self.tp_runner is not None:
+            await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
         log.info("proposer stopped")
+
+
+def _tp_runner(drafter: Drafter) -> TPModelRunner | None:
+    runner = getattr(drafter, "runner", None)
+    return runner if isinstance(runner, TPModelRunner) else None
+
+
+async def _first(*aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], None] | None = None) -> None:
     stop = asyncio.Event()
     install_sigterm(stop)
-    server = await ProposerServer.start(config)
+    try:
+        server = await ProposerServer.start(config)
+    except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
+        log.error("cannot start the proposer: %s", err)
+        raise SystemExit(2) from err
     if on_ready is not None:
         on_ready(server)
-    await stop.wait()
-    await server.shutdown(config.grace_period_s)
+    await _first(stop.wait(), server.failed.wait())
+    if not server.failed.is_set():
+        shutdown = asyncio.ensure_future(server.shutdown(config.grace_period_s))
+        await _first(shutdown, server.failed.wait())  # a rank may die during the drain, too
+        if not server.failed.is_set():
+            await shutdown
+            return
+    server.exit_after_failure()
 
 
 def main(argv: list[str] | None = None) -> None:

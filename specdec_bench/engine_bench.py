@@ -467,6 +467,7 @@ def machine_info() -> dict:
         "cpu": cpu,
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -482,7 +483,8 @@ def render(summary: dict, meta: dict) -> str:
         + (" (**--quick smoke run: 1 run, short outputs; not a measurement**)" if meta["quick"] else ""),
         f"- Command: `{meta['command']}`",
         f"- Machine: {m['cpu']}, {m['cores']} cores available, torch threads {m['torch_threads']}, "
-        f"torch {m['torch']}, transformers {m['transformers']}, Python {m['python']}; "
+        f"OMP_WAIT_POLICY={m['omp_wait_policy']}, torch {m['torch']}, transformers {m['transformers']}, "
+        f"Python {m['python']}; "
         f"load average at start / end: {meta['load_start']} / {meta['load_end']} (the machine is shared)",
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
         f"- Work per configuration and run: {meta['max_tokens']} new tokens per sequence (forced: EOS ignored), "

@@ -52,7 +52,13 @@ class VerifierConfig:
     proposer_reconnect_max_s: float = field(
         default=10.0, metadata={"help": "longest wait between proposer reconnection attempts (exponential backoff)"}
     )
-    tensor_parallel_size: int = field(default=1, metadata={"help": "tensor-parallel degree of the target model"})
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata={
+            "help": "tensor-parallel degree of the target model: ranks (processes; one GPU each on CUDA) that "
+            "each hold 1/N of the attention heads and MLP; N must divide the model's attention heads"
+        },
+    )
     dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
@@ -63,11 +69,8 @@ class VerifierConfig:
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} is not supported yet: "
-                "the verifier runs the target model on one device (use 1)"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be in [0, 65535], got {self.port}")
         if self.num_speculative_tokens < 0:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -21,6 +22,7 @@ from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
+from shared.model.tp_group import TPModelRunner
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
 from verifier_service.config import VerifierConfig
@@ -29,6 +31,9 @@ from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
 
 log = logging.getLogger("specdec.verifier")
+
+RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank died: the verifier cannot serve and exits
+RANK_FAILURE_DRAIN_S = 3.0  # time for the failing step to fail its requests (UNAVAILABLE) before exiting
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
 FINISH_TO_PROTO = {
@@ -209,6 +214,9 @@ class VerifierServer:
         self.port = port
         self.loop = loop
         self.proposer = proposer
+        self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
+        self.failure_reason: str | None = None
+        self._failing: asyncio.Task | None = None
 
     @classmethod
     async def start(
@@ -218,24 +226,34 @@ class VerifierServer:
         model_name: str | None = None,
         tokenizer_fingerprint: str | None = None,
     ) -> VerifierServer:
-        """Load the target (unless given), connect the proposer(s), build the engine and serve."""
+        """Load the target (unless given), connect the proposer(s), build the engine and serve.
+
+        At --tensor-parallel-size N > 1 the target is loaded from `config.model` by N ranks (this process
+        is rank 0; see shared/model/tp_group.py), so `target` must not be given."""
         import torch
 
         from proposer_service.server import resolve_device
         from proposer_service.server import tokenizer_fingerprint as fingerprint_of
         from shared.model.loader import load_model
+        from shared.model.tp_group import check_tensor_parallel
         from shared.settings import default_target_model
-        from verifier_service.builder import CacheConfig, build_engine
+        from verifier_service.builder import CacheConfig, build_engine, read_arch
         from verifier_service.engine import EngineConfig
 
         name = model_name or config.model or default_target_model()
+        tp_size = config.tensor_parallel_size
+        dtype, device = getattr(torch, config.dtype), resolve_device(config.device)
         started = time.monotonic()
-        if target is None:
-            target = await asyncio.to_thread(
-                load_model, name, getattr(torch, config.dtype), resolve_device(config.device)
-            )
-            log.info("target model loaded model=%s seconds=%.1f", name, time.monotonic() - started)
-        model, arch = target
+        if tp_size > 1:
+            if target is not None:
+                raise ValueError("at --tensor-parallel-size > 1 every rank loads the target itself: pass no model")
+            arch = await asyncio.to_thread(read_arch, name)
+            check_tensor_parallel(arch, tp_size)  # refuse a model that cannot be split before anything starts
+        else:
+            if target is None:
+                target = await asyncio.to_thread(load_model, name, dtype, device)
+                log.info("target model loaded model=%s seconds=%.1f", name, time.monotonic() - started)
+            arch = target[1]
         max_model_len = min(config.max_model_len, arch.max_position_embeddings)
         proposer = None
         if config.proposer and config.num_speculative_tokens > 0:
@@ -257,7 +275,24 @@ class VerifierServer:
             adaptive_k=config.adaptive_k,
         )
         cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
-        engine = build_engine((model, arch), proposer, engine_config, cache)
+        if tp_size > 1:
+            try:
+                engine = await asyncio.to_thread(
+                    build_engine, name, proposer, engine_config, cache, dtype, device, tp_size
+                )
+            except BaseException:
+                if proposer is not None:
+                    await proposer.close()
+                raise
+            log.info(
+                "target model loaded model=%s tensor_parallel_size=%d seconds=%.1f",
+                name,
+                tp_size,
+                time.monotonic() - started,
+            )
+        else:
+            assert target is not None
+            engine = build_engine(target, proposer, engine_config, cache)
         loop = EngineLoop(engine, proposer)
         await loop.start()
         servicer = VerifierServicer(
@@ -273,11 +308,14 @@ class VerifierServer:
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if not port:
+            if isinstance(engine.runner, TPModelRunner):
+                await asyncio.to_thread(engine.runner.close)
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
         log.info(
-            "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d",
+            "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d "
+            "tensor_parallel_size=%d",
             config.host,
             port,
             name,
@@ -286,8 +324,47 @@ class VerifierServer:
             engine.blocks.num_blocks,
             engine.blocks.block_size,
             max_model_len,
+            tp_size,
         )
-        return cls(config, server, servicer, health, port, loop, proposer)
+        instance = cls(config, server, servicer, health, port, loop, proposer)
+        if isinstance(engine.runner, TPModelRunner):
+            aio_loop = asyncio.get_running_loop()
+
+            def on_rank_failure(reason: str) -> None:  # any thread
+                aio_loop.call_soon_threadsafe(instance._start_failing, reason)
+
+            engine.runner.on_failure(on_rank_failure)
+        return instance
+
+    @property
+    def tp_runner(self) -> TPModelRunner | None:
+        runner = self.loop.engine.runner
+        return runner if isinstance(runner, TPModelRunner) else None
+
+    def _start_failing(self, reason: str) -> None:
+        if self.failure_reason is None:
+            self.failure_reason = reason
+            self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
+
+    async def _fail(self, reason: str) -> None:
+        """A rank died: NOT_SERVING at once, refuse new requests, let the failing step fail the running ones
+        (UNAVAILABLE: the gateway resumes them elsewhere), then `failed` (serve() exits non-zero)."""
+        log.error("tensor-parallel rank failure, the verifier stops serving: %s", reason)
+        await set_serving(self.health, [SERVICE_NAME], False)
+        self.loop.stop_accepting()
+        await self.loop.drain(RANK_FAILURE_DRAIN_S)
+        await self.server.stop(0.5)  # the UNAVAILABLE statuses flush
+        self.failed.set()
+
+    def exit_after_failure(self) -> None:
+        """Exit the process now with a non-zero code: the step thread may be stuck in a collective, so no
+        orderly interpreter shutdown is attempted; the worker ranks are killed first."""
+        log.critical("exiting after a tensor-parallel failure: %s", self.failure_reason)
+        runner = self.tp_runner
+        if runner is not None:
+            runner.group.kill()
+        logging.shutdown()
+        os._exit(RANK_FAILURE_EXIT_CODE)
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """NOT_SERVING; refuse new requests; let running ones finish within grace_s; abort the rest (they end
@@ -303,17 +380,37 @@ class VerifierServer:
         await self.loop.stop()
         if self.proposer is not None:
             await self.proposer.close()
+        if self.tp_runner is not None:
+            await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
         log.info("verifier stopped")
+
+
+async def _first(*aws) -> None:
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in tasks:
+        if not task.done():
+            task.cancel()
 
 
 async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], None] | None = None) -> None:
     stop = asyncio.Event()
     install_sigterm(stop)
-    server = await VerifierServer.start(config)
+    try:
+        server = await VerifierServer.start(config)
+    except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
+        log.error("cannot start the verifier: %s", err)
+        raise SystemExit(2) from err
     if on_ready is not None:
         on_ready(server)
-    await stop.wait()
-    await server.shutdown()
+    await _first(stop.wait(), server.failed.wait())
+    if not server.failed.is_set():
+        shutdown = asyncio.ensure_future(server.shutdown())
+        await _first(shutdown, server.failed.wait())  # a rank may die during the drain, too
+        if not server.failed.is_set():
+            await shutdown
+            return
+    server.exit_after_failure()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -45,11 +45,18 @@ class Attention(torch.nn.Module):
     def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
         super().__init__()
         self.num_heads = tp.shard(arch.num_heads, "attention heads")
-        self.num_kv_heads = tp.shard(arch.num_kv_heads, "key/value heads")
+        # Fewer KV heads than ranks: each rank holds one KV head, replicated on world_size / kv_heads ranks,
+        # and its query heads are exactly the ones that use that KV head.
+        kv_replicas = tp.kv_head_replicas(arch.num_kv_heads)
+        self.num_kv_heads = tp.local_kv_heads(arch.num_kv_heads)
         self.head_dim = arch.head_dim
         self.scale = default_scale(arch.head_dim)
         self.qkv_proj = ColumnParallelLinear(
-            arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], arch.attention_bias, tp
+            arch.hidden_size,
+            [arch.q_size, arch.kv_size, arch.kv_size],
+            arch.attention_bias,
+            tp,
+            replicas=[1, kv_replicas, kv_replicas],
         )
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.attention_bias, tp)
 

@@ -5,6 +5,10 @@ layers split output features (heads, MLP columns), row-parallel layers split inp
 all-reduce their partial sums, so a transformer block needs one all-reduce after attention and one
 after the MLP. `load_full_weight` takes the unsharded checkpoint tensor and keeps this rank's slice,
 so checkpoints never need resharding on disk.
+
+Key/value heads: with fewer KV heads than ranks (GQA with a large TP degree) each KV head is replicated on
+`world_size / num_kv_heads` consecutive ranks (vLLM's scheme), so every rank holds exactly one KV head and
+the query heads that use it; `kv_head_replicas` computes the factor and refuses what cannot be split.
 """
 
 from __future__ import annotations
@@ -25,27 +29,68 @@ class TensorParallel:
 
     def shard(self, full: int, what: str) -> int:
         if full % self.world_size:
-            raise ValueError(f"{what} ({full}) is not divisible by the tensor-parallel size {self.world_size}")
+            raise ValueError(
+                f"cannot split the model across {self.world_size} tensor-parallel ranks: {what} = {full} is not "
+                f"divisible by {self.world_size} (tensor-parallel sizes that divide it: {_divisors(full)})"
+            )
         return full // self.world_size
+
+    def kv_head_replicas(self, num_kv_heads: int) -> int:
+        """How many ranks hold each KV head: 1 when the KV heads split evenly, world_size / num_kv_heads when
+        there are fewer KV heads than ranks (then world_size must be a multiple of num_kv_heads)."""
+        if num_kv_heads >= self.world_size:
+            self.shard(num_kv_heads, "key/value heads")
+            return 1
+        if self.world_size % num_kv_heads:
+            raise ValueError(
+                f"cannot split the model across {self.world_size} tensor-parallel ranks: it has {num_kv_heads} "
+                f"key/value heads, fewer than the ranks, so each is replicated and {self.world_size} must be a "
+                f"multiple of {num_kv_heads}"
+            )
+        return self.world_size // num_kv_heads
+
+    def local_kv_heads(self, num_kv_heads: int) -> int:
+        """The KV heads each rank holds (the width of its KV cache)."""
+        return num_kv_heads * self.kv_head_replicas(num_kv_heads) // self.world_size
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world_size > 1:
-            dist.all_reduce(x, group=self.group)
+            if self.group is None:
+                dist.all_reduce(x)  # the default process group
+            else:  # a standalone group (shared/model/tp_group.py): no global torch.distributed state
+                self.group.allreduce([x]).wait()
         return x
 
 
 SINGLE = TensorParallel()
 
 
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
 class ColumnParallelLinear(torch.nn.Module):
     """y = x W^T with W's output rows split across ranks. `out_features` lists the parts that are
-    split separately and concatenated (e.g. [q, k, v] or [gate, up]) so fused layers shard correctly."""
+    split separately and concatenated (e.g. [q, k, v] or [gate, up]) so fused layers shard correctly.
+    `replicas[i]` > 1 means part i is cut into world_size / replicas[i] slices, each held by that many
+    consecutive ranks (replicated KV heads); the default 1 gives every rank its own slice."""
 
-    def __init__(self, in_features: int, out_features: list[int], bias: bool, tp: TensorParallel = SINGLE) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: list[int],
+        bias: bool,
+        tp: TensorParallel = SINGLE,
+        replicas: list[int] | None = None,
+    ) -> None:
         super().__init__()
         self.tp = tp
         self.full_parts = out_features
-        self.parts = [tp.shard(n, "output features") for n in out_features]
+        self.replicas = replicas or [1] * len(out_features)
+        for r in self.replicas:
+            if r < 1 or tp.world_size % r:
+                raise ValueError(f"replication {r} does not divide the tensor-parallel size {tp.world_size}")
+        self.parts = [tp.shard(n * r, "output features") for n, r in zip(out_features, self.replicas, strict=True)]
         self.weight = torch.nn.Parameter(torch.empty(sum(self.parts), in_features), requires_grad=False)
         self.bias = torch.nn.Parameter(torch.zeros(sum(self.parts)), requires_grad=False) if bias else None
 
@@ -53,12 +98,13 @@ class ColumnParallelLinear(torch.nn.Module):
         return F.linear(x, self.weight, self.bias)
 
     def load_full_weight(self, parts: list[torch.Tensor], bias_parts: list[torch.Tensor] | None = None) -> None:
-        self.weight.copy_(torch.cat([self._slice(p, n) for p, n in zip(parts, self.parts, strict=True)]))
+        self.weight.copy_(torch.cat([self._slice(p, i) for i, p in enumerate(parts)]))
         if self.bias is not None and bias_parts is not None:
-            self.bias.copy_(torch.cat([self._slice(b, n) for b, n in zip(bias_parts, self.parts, strict=True)]))
+            self.bias.copy_(torch.cat([self._slice(b, i) for i, b in enumerate(bias_parts)]))
 
-    def _slice(self, full: torch.Tensor, shard: int) -> torch.Tensor:
-        return full[self.tp.rank * shard : (self.tp.rank + 1) * shard]
+    def _slice(self, full: torch.Tensor, part: int) -> torch.Tensor:
+        shard, index = self.parts[part], self.tp.rank // self.replicas[part]
+        return full[index * shard : (index + 1) * shard]
 
 
 class RowParallelLinear(torch.nn.Module):

@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from proposer_service.drafter import Drafter
 from proposer_service.ngram import NgramDrafter
 from shared.sampling import SamplingParams
 from tests.real_models import MAX_NEW_TOKENS
@@ -30,13 +31,17 @@ def make_engine(
         num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len, adaptive_k=adaptive_k
     )
     cache = CacheConfig(block_size=16, num_blocks=num_blocks)
-    drafter = NgramDrafter() if kind == "ngram" else make_draft_model_drafter(*draft, config, CacheConfig())
+    drafter: Drafter | None = None
+    if kind == "ngram":
+        drafter = NgramDrafter()
+    elif kind == "draft":
+        drafter = make_draft_model_drafter(*draft, config, CacheConfig())
     return build_engine(target, drafter, config, cache)
 
 
-def run_all(engine: Engine, prompts: dict[int, list[int]]) -> dict[int, list[int]]:
+def run_all(engine: Engine, prompts: dict[int, list[int]], max_tokens: int = MAX_NEW_TOKENS) -> dict[int, list[int]]:
     for i, ids in prompts.items():
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_NEW_TOKENS))
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens))
     outputs: dict[int, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -46,20 +51,14 @@ def run_all(engine: Engine, prompts: dict[int, list[int]]) -> dict[int, list[int
     return outputs
 
 
-def assert_same(outputs: dict[int, list[int]], refs: list[list[int]], label: str) -> None:
+def assert_same(outputs: dict[int, list[int]], refs: list[list[int]], label: str, max_tokens: int = MAX_NEW_TOKENS):
     for i, tokens in sorted(outputs.items()):
-        assert tokens == refs[i], f"{label}: prompt {i} differs at token {_first_diff(tokens, refs[i])}"
+        ref = refs[i][:max_tokens]  # greedy output is prefix-consistent
+        assert tokens == ref, f"{label}: prompt {i} differs at token {_first_diff(tokens, ref)}"
 
 
 def _first_diff(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
-
-
-def test_target_only_matches_transformers(target, prompts, greedy_references):
-    engine = build_engine(target, None, EngineConfig(num_speculative_tokens=0, max_num_seqs=8, max_model_len=1024))
-    outputs = run_all(engine, dict(enumerate(prompts)))
-    assert len(outputs) == len(prompts) >= 20
-    assert_same(outputs, greedy_references, "k=0 batch 8")
 
 
 @pytest.mark.parametrize(("kind", "k"), COMBOS)
@@ -75,18 +74,22 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
 
 def test_adaptive_draft_length(target, draft, prompts, greedy_references):
     engine = make_engine(target, draft, "draft", 4, max_num_seqs=8, adaptive_k=True)
-    outputs = run_all(engine, dict(enumerate(prompts)))
+    outputs = run_all(engine, {i: prompts[i] for i in range(1, 20, 2)})
     assert_same(outputs, greedy_references, "draft adaptive k batch 8")
 
 
+BATCH1_COMBOS = [("none", 0), *COMBOS]
+
+
 def batch1_assignment() -> list[tuple[str, int, list[int]]]:
-    """Every (drafter, k) at batch 1. By default the 20 prompts are dealt round-robin over the six
-    combinations (each sees 3-4 prompts) to keep CI under its time budget; SPECDEC_FULL_MATRIX=1
-    (`make test-full`) runs every prompt with every combination."""
+    """Target alone (k = 0) and every (drafter, k) at batch 1. By default the 20 prompts are dealt
+    round-robin over these seven combinations (each sees 2-3 prompts) to keep CI within its time budget;
+    SPECDEC_FULL_MATRIX=1 (`make test-full`) runs every prompt with every combination."""
     num_prompts = 20
     if os.environ.get("SPECDEC_FULL_MATRIX") == "1":
-        return [(kind, k, list(range(num_prompts))) for kind, k in COMBOS]
-    return [(kind, k, list(range(c, num_prompts, len(COMBOS)))) for c, (kind, k) in enumerate(COMBOS)]
+        return [(kind, k, list(range(num_prompts))) for kind, k in BATCH1_COMBOS]
+    n = len(BATCH1_COMBOS)
+    return [(kind, k, list(range(c, num_prompts, n))) for c, (kind, k) in enumerate(BATCH1_COMBOS)]
 
 
 @pytest.mark.parametrize(("kind", "k", "indices"), batch1_assignment())
@@ -99,10 +102,10 @@ def test_batch_1(target, draft, prompts, greedy_references, kind, k, indices):
 
 @pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5)])
 def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind, k):
-    # 8 sequences of up to ~220 tokens need ~100 blocks of 16; 24 (room for one 320-token sequence)
-    # forces preemption by recompute.
-    engine = make_engine(target, draft, kind, k, max_num_seqs=8, num_blocks=24, max_model_len=320)
-    indices = list(range(0, 20, 2))
-    outputs = run_all(engine, {i: prompts[i] for i in indices})
+    # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 16 blocks (room for one 240-token
+    # sequence) force preemption by recompute.
+    engine = make_engine(target, draft, kind, k, max_num_seqs=8, num_blocks=16, max_model_len=240)
+    indices = list(range(0, 16, 2))
+    outputs = run_all(engine, {i: prompts[i] for i in indices}, max_tokens=64)
     assert engine.scheduler.num_preemptions > 0
-    assert_same(outputs, greedy_references, f"{kind} k={k} preemption")
+    assert_same(outputs, greedy_references, f"{kind} k={k} preemption", max_tokens=64)

@@ -329,8 +329,10 @@ def test_config_reads_flags_and_env(monkeypatch):
     cfg = load_config(ProposerConfig, ["--kind", "ngram", "--port", "1234", "--model", "m"])
     assert (cfg.kind, cfg.port, cfg.max_k, cfg.model, cfg.tensor_parallel_size) == ("ngram", 1234, 5, "m", 1)
     assert load_config(ProposerConfig, []).port == 7000
-    with pytest.raises(SystemExit):
-        load_config(ProposerConfig, ["--tensor-parallel-size", "2"])
+    assert load_config(ProposerConfig, ["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
+    for argv in (["--tensor-parallel-size", "0"], ["--kind", "ngram", "--tensor-parallel-size", "2"]):
+        with pytest.raises(SystemExit):
+            load_config(ProposerConfig, argv)
     with pytest.raises(SystemExit):
         load_config(ProposerConfig, ["--kind", "eagle"])
 

@@ -445,7 +445,7 @@ def test_config_reads_flags_and_env(monkeypatch):
     )
     assert load_config(VerifierConfig, ["--proposer", ""]).proposer == ()
     assert load_config(VerifierConfig, ["--no-adaptive-k"]).adaptive_k is False
-    for argv in (["--tensor-parallel-size", "2"], ["--proposer", "nohost"], ["--max-model-len", "0"]):
+    for argv in (["--tensor-parallel-size", "0"], ["--proposer", "nohost"], ["--max-model-len", "0"]):
         with pytest.raises(SystemExit):
             load_config(VerifierConfig, argv)
 

@@ -1,0 +1,667 @@
+"""Gateway benchmark: the engine benchmark's workloads through the whole gRPC stack, side by side with the
+in-process engine.
+
+    python -m specdec_bench.gateway_bench [--quick] [--runs N] [--max-tokens N] [--out docs/BENCHMARKS.md]
+
+Starts real service processes on loopback (as tests/e2e does) and sends the engine benchmark's chat prompts
+(specdec_bench.prompts, chat template applied by engine_bench.chat_ids) through the gateway with grpc.aio,
+greedy, EOS ignored so every request generates exactly --max-tokens tokens:
+
+    target only       verifier without --proposer (k = 0) + gateway                    general prompts
+    draft model, k=4  proposer (draft model) + verifier (--num-speculative-tokens 4 --no-adaptive-k) + gateway
+    n-gram, k=4       proposer (--kind ngram) + verifier (k = 4 fixed) + gateway        quoting prompts
+    target only [q]   the target-only stack on the quoting prompts (the n-gram row's baseline)
+
+each at 1 client (the batch-1 prompts one after another) and 8 concurrent clients (8 prompts at once).
+Per configuration: tokens/s (all tokens / wall time), time to first token, inter-token latency p50/p99
+(gaps between consecutive streamed messages that carry tokens; a message may carry several tokens), and
+TPOT (time per output token after the first, per request). The in-process engine (the same target and
+draft, same EngineConfig, k = 4 fixed, no gRPC anywhere) runs the same batch-1 prompts in the same run,
+so the network split's per-token overhead is a side-by-side ratio. Every configuration is repeated --runs
+times (the order rotates from run to run) and medians are reported; ratios are taken within a run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import grpc
+import numpy as np
+
+from gateway.health_probe import check_once
+from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from shared.settings import default_draft_model, default_target_model
+from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
+from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
+
+HOST = "127.0.0.1"
+K = 4
+MAX_MODEL_LEN = 1024  # as the engine benchmark
+MAX_NUM_SEQS = 8
+CLIENTS = (1, 8)
+STARTUP_TIMEOUT_S = 600.0
+RPC_TIMEOUT_S = 1200.0
+MARK_START = "<!-- gateway-bench:start -->"
+MARK_END = "<!-- gateway-bench:end -->"
+OVERHEAD_TARGET = 0.10
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class GwConfig:
+    key: str
+    label: str
+    prompt_set: str  # "general" or "quoting"
+    stack: str  # "target", "draft" or "ngram"
+
+
+CONFIGS: tuple[GwConfig, ...] = (
+    GwConfig("t", "target only (k=0)", "general", "target"),
+    GwConfig("d4", "draft model, k=4", "general", "draft"),
+    GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target"),
+    GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram"),
+)
+CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
+INPROC_LABEL = "in-process engine, draft model, k=4"
+
+
+# ---- the service processes -----------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def _command(script: str, module: str) -> list[str]:
+    exe = Path(sys.executable).parent / script
+    if exe.exists():
+        return [str(exe)]
+    return [sys.executable, "-c", f"import sys; sys.argv[0] = {script!r}; from {module} import main; main()"]
+
+
+def _service_env() -> dict[str, str]:
+    keep = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class Proc:
+    name: str
+    cmd: list[str]
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"{HOST}:{self.port}"
+
+    def start(self) -> None:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_service_env(), cwd=ROOT
+            )
+
+    def tail(self, n: int = 30) -> str:
+        try:
+            lines = self.log_path.read_text(errors="replace").splitlines()
+        except OSError:
+            return ""
+        return "\n".join(line.rsplit("\r", 1)[-1] for line in lines[-n:])
+
+    def stop(self) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@dataclass
+class Stack:
+    name: str
+    procs: list[Proc] = field(default_factory=list)
+
+    @property
+    def gateway(self) -> Proc:
+        return self.procs[-1]
+
+    @property
+    def verifier(self) -> Proc:
+        return self.procs[-2]
+
+    def wait_ready(self, deadline: float) -> None:
+        for p in self.procs:
+            service = "specdec.v1.Gateway" if p is self.gateway else ""
+            while not check_once(p.address, service)[0]:
+                if p.proc is not None and p.proc.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{p.name} not healthy after {STARTUP_TIMEOUT_S:.0f} s:\n{p.tail()}")
+                time.sleep(0.5)
+        if len(self.procs) == 3:  # with a proposer: wait until the verifier has connected to it
+            while not self.verifier_stats().stats.proposer_connected:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self.verifier.name} never connected to its proposer:\n{self.verifier.tail()}")
+                time.sleep(0.5)
+
+    def verifier_stats(self) -> verifier_pb2.VerifierGetStatsResponse:
+        with grpc.insecure_channel(self.verifier.address) as ch:
+            return verifier_pb2_grpc.VerifierStub(ch).GetStats(verifier_pb2.VerifierGetStatsRequest(), timeout=30)
+
+
+def build_stacks(log_dir: Path, target: str, draft: str) -> dict[str, Stack]:
+    """Three stacks: target only, draft model (k = 4 fixed), n-gram (k = 4 fixed)."""
+    stacks = {}
+    for name, kind in (("target", None), ("draft", "draft-model"), ("ngram", "ngram")):
+        stack = Stack(name)
+        ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
+        verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
+        verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
+        if kind is not None:
+            proposer = ["--kind", kind, "--host", HOST, "--port", str(ports["proposer"])]
+            proposer += ["--max-model-len", str(MAX_MODEL_LEN)]
+            if kind == "draft-model":
+                proposer += ["--model", draft]
+            cmd = _command("specdec-proposer", "proposer_service.server") + proposer
+            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
+            verifier += ["--proposer", f"{HOST}:{ports['proposer']}", "--num-speculative-tokens", str(K)]
+            verifier += ["--no-adaptive-k"]
+        cmd = _command("specdec-verifier", "verifier_service.server") + verifier
+        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log"))
+        gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
+        gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
+        cmd = _command("specdec-gateway", "gateway.server") + gateway
+        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log"))
+        stacks[name] = stack
+    return stacks
+
+
+# ---- measurements ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """One request: when it was sent and when each token-carrying message arrived (with its token count)."""
+
+    sent: float
+    times: list[float] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.counts)
+
+    @property
+    def ttft(self) -> float:
+        return self.times[0] - self.sent
+
+    @property
+    def itl(self) -> list[float]:
+        return [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Seconds per output token after the first message's tokens."""
+        after = self.tokens - self.counts[0]
+        return (self.times[-1] - self.times[0]) / after if after > 0 else None
+
+
+@dataclass
+class Measurement:
+    wall_s: float
+    traces: list[Trace]
+
+    @property
+    def tokens(self) -> int:
+        return sum(t.tokens for t in self.traces)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.wall_s
+
+    def summary(self) -> dict:
+        ttft = [t.ttft for t in self.traces]
+        itl = [x for t in self.traces for x in t.itl]
+        tpot = [x for t in self.traces if (x := t.tpot) is not None]
+        drafted = sum(t.drafted for t in self.traces)
+        accepted = sum(t.accepted for t in self.traces)
+        steps = sum(t.steps for t in self.traces)
+        return {
+            "tokens": self.tokens,
+            "wall_s": self.wall_s,
+            "tokens_per_s": self.tokens_per_s,
+            "ttft_p50_ms": 1e3 * float(np.percentile(ttft, 50)),
+            "itl_p50_ms": 1e3 * float(np.percentile(itl, 50)) if itl else None,
+            "itl_p99_ms": 1e3 * float(np.percentile(itl, 99)) if itl else None,
+            "tpot_ms": 1e3 * statistics.mean(tpot) if tpot else None,
+            "drafted": drafted,
+            "accepted": accepted,
+            "tokens_per_step": self.tokens / steps if steps else None,
+        }
+
+
+async def run_gateway(address: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> Measurement:
+    """`clients` concurrent clients work through the prompts (each client one request at a time)."""
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    traces: list[tuple[int, Trace]] = []
+    order = {id(p): i for i, p in enumerate(prompts)}
+
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = gateway_pb2_grpc.GatewayStub(channel)
+
+        async def client() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                request = gateway_pb2.GenerateRequest(
+                    prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                )
+                trace = Trace(time.perf_counter())
+                async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S):
+                    now = time.perf_counter()
+                    if msg.token_ids:
+                        trace.times.append(now)
+                        trace.counts.append(len(msg.token_ids))
+                        trace.ids.extend(msg.token_ids)
+                    if msg.HasField("usage"):
+                        trace.drafted, trace.accepted = msg.usage.drafted_tokens, msg.usage.accepted_tokens
+                        trace.steps = msg.usage.num_steps
+                if trace.tokens != max_tokens:
+                    raise RuntimeError(f"{address}: {trace.tokens} tokens instead of {max_tokens}")
+                traces.append((order[id(prompt)], trace))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return Measurement(wall, [t for _, t in sorted(traces, key=lambda x: x[0])])
+
+
+class InProcess:
+    """The engine in this process: same target and draft, same EngineConfig, k = 4 fixed, batch 1."""
+
+    def __init__(self, target_name: str, draft_name: str) -> None:
+        from shared.model.loader import check_same_vocabulary, load_model
+        from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
+        from verifier_service.engine import EngineConfig
+
+        target = load_model(target_name)
+        draft = load_model(draft_name)
+        check_same_vocabulary(target[1], draft[1], target_name, draft_name)
+        config = EngineConfig(
+            num_speculative_tokens=K, max_num_seqs=MAX_NUM_SEQS, max_model_len=MAX_MODEL_LEN, adaptive_k=False
+        )
+        drafter = make_draft_model_drafter(*draft, config, CacheConfig())
+        self.engine = build_engine(target, drafter, config)
+        self._n = 0
+
+    def run(self, prompts: Sequence[list[int]], max_tokens: int) -> Measurement:
+        import torch
+
+        from shared.sampling import SamplingParams
+
+        traces = []
+        start = time.perf_counter()
+        with torch.inference_mode():
+            for prompt in prompts:
+                self._n += 1
+                rid = f"bench-{self._n}"
+                trace = Trace(time.perf_counter())
+                self.engine.add_request(
+                    rid, prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+                )
+                while self.engine.has_unfinished():
+                    for out in self.engine.step():
+                        if out.request_id != rid:
+                            continue
+                        if out.new_token_ids:
+                            trace.times.append(time.perf_counter())
+                            trace.counts.append(len(out.new_token_ids))
+                            trace.ids.extend(out.new_token_ids)
+                            trace.steps += 1
+                        trace.drafted += out.num_drafted
+                        trace.accepted += out.num_accepted
+                if trace.tokens != max_tokens:
+                    raise RuntimeError(f"in-process engine: {trace.tokens} tokens instead of {max_tokens}")
+                traces.append(trace)
+        return Measurement(time.perf_counter() - start, traces)
+
+
+# ---- the benchmark ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    runs: int
+    max_tokens: int
+    batch1_prompts: int
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
+
+
+def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict, plan: Plan, log: Callable) -> dict:
+    def prompts_for(prompt_set: str, clients: int) -> list[list[int]]:
+        ids = prompt_ids[prompt_set]
+        return ids[: plan.batch1_prompts] if clients == 1 else ids[:clients]
+
+    def gw(cfg: GwConfig, clients: int, max_tokens: int) -> Measurement:
+        address = stacks[cfg.stack].gateway.address
+        return asyncio.run(run_gateway(address, prompts_for(cfg.prompt_set, clients), clients, max_tokens))
+
+    log("warm-up (8 tokens per configuration)")
+    for cfg in CONFIGS:
+        gw(cfg, 1, 8)
+    inproc.run(prompts_for("general", 1)[:1], 8)
+
+    results: dict[tuple[str, int], list[Measurement]] = {}
+    for run in range(plan.runs):
+        for clients in CLIENTS:
+            jobs: list[tuple[str, Callable[[], Measurement]]] = [
+                (cfg.key, lambda cfg=cfg, c=clients: gw(cfg, c, plan.max_tokens)) for cfg in CONFIGS
+            ]
+            if clients == 1:
+                jobs.append(("inproc", lambda: inproc.run(prompts_for("general", 1), plan.max_tokens)))
+            shift = run % len(jobs)
+            for key, job in jobs[shift:] + jobs[:shift]:  # rotate the order from run to run
+                m = job()
+                results.setdefault((key, clients), []).append(m)
+                s = m.summary()
+                log(
+                    f"run {run + 1}/{plan.runs} clients {clients}: {label_of(key)}: {s['tokens']} tokens in "
+                    f"{s['wall_s']:.1f} s = {s['tokens_per_s']:.1f} tok/s, TTFT {s['ttft_p50_ms']:.0f} ms, "
+                    f"TPOT {_fmt(s['tpot_ms'], '.1f')} ms"
+                )
+    return summarise(results, plan)
+
+
+def label_of(key: str) -> str:
+    return INPROC_LABEL if key == "inproc" else "gateway: " + CONFIG_BY_KEY[key].label
+
+
+def _median(values: list) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> dict:
+    rows = []
+    for (key, clients), ms in results.items():
+        sums = [m.summary() for m in ms]
+        row = {"key": key, "label": label_of(key), "clients": clients, "runs": len(ms)}
+        row["prompt_set"] = "general" if key == "inproc" else CONFIG_BY_KEY[key].prompt_set
+        for name in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms", "tokens_per_step"):
+            row[name] = _median([s[name] for s in sums])
+        drafted = sum(s["drafted"] for s in sums)
+        row["acceptance"] = sum(s["accepted"] for s in sums) / drafted if drafted else None
+        row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in sums]
+        base = "tq" if row["prompt_set"] == "quoting" else "t"
+        if key not in ("t", "tq") and (base, clients) in results:
+            bs = results[(base, clients)]
+            row["vs_target"] = statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bs, strict=True))
+        rows.append(row)
+    order = {k: i for i, k in enumerate(["inproc", *CONFIG_BY_KEY])}
+    rows.sort(key=lambda r: (r["clients"], order[r["key"]]))
+
+    overhead = None
+    if ("inproc", 1) in results and ("d4", 1) in results:
+        pairs = list(zip(results[("inproc", 1)], results[("d4", 1)], strict=True))
+        per_run = []
+        for local, remote in pairs:
+            a, b = local.summary(), remote.summary()
+            per_run.append(
+                {
+                    "tpot_inproc_ms": a["tpot_ms"],
+                    "tpot_gateway_ms": b["tpot_ms"],
+                    "tpot_overhead": b["tpot_ms"] / a["tpot_ms"] - 1,
+                    "per_token_inproc_ms": 1e3 * a["wall_s"] / a["tokens"],
+                    "per_token_gateway_ms": 1e3 * b["wall_s"] / b["tokens"],
+                    "ttft_inproc_ms": a["ttft_p50_ms"],
+                    "ttft_gateway_ms": b["ttft_p50_ms"],
+                }
+            )
+        overhead = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
+        overhead["wall_overhead"] = statistics.median(
+            r["per_token_gateway_ms"] / r["per_token_inproc_ms"] - 1 for r in per_run
+        )
+        overhead["runs"] = per_run
+    return {"rows": rows, "overhead": overhead, "checks": output_checks(results)}
+
+
+def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str]:
+    """Greedy and lossless: every configuration must emit the same tokens for the same prompt."""
+    lines = []
+    pairs = [
+        (("d4", 1), ("inproc", 1)),
+        (("d4", 1), ("t", 1)),
+        (("n4", 1), ("tq", 1)),
+        (("d4", 8), ("t", 8)),
+        (("n4", 8), ("tq", 8)),
+        (("t", 8), ("t", 1)),
+    ]
+    for x, y in pairs:
+        if x not in results or y not in results:
+            continue
+        same = total = 0
+        for mx in results[x]:
+            for my in results[y]:
+                for tx, ty in zip(mx.traces, my.traces, strict=False):
+                    same += tx.ids == ty.ids
+                    total += 1
+        lines.append(f"{label_of(x[0])} ({x[1]} client(s)) == {label_of(y[0])} ({y[1]} client(s)): {same}/{total}")
+    return lines
+
+
+# ---- the report ----------------------------------------------------------------------------------------------
+
+
+def _fmt(value, spec: str, default: str = "—") -> str:
+    return default if value is None else format(value, spec)
+
+
+def render(summary: dict, meta: dict) -> str:
+    m = meta["machine"]
+    out = [MARK_START, "## Gateway benchmark (`specdec_bench.gateway_bench`)", ""]
+    out += [
+        f"- Date: {meta['date']}; wall time of the whole benchmark: {meta['runtime_s'] / 60:.1f} min"
+        + (" (**--quick smoke run: 1 run, short outputs; not a measurement**)" if meta["quick"] else ""),
+        f"- Command: `{meta['command']}`",
+        f"- Machine: {m['cpu']}, {m['cores']} cores available, torch {m['torch']}, Python {m['python']}; every "
+        f"process on the same cores; load average at start / end: {meta['load_start']} / {meta['load_end']} "
+        "(the machine is shared with other jobs)",
+        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
+        "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
+        f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
+        f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens)",
+        f"- Work: greedy, {meta['max_tokens']} new tokens per request (EOS ignored); 1 client: "
+        f"{meta['batch1_prompts']} prompt(s) one after another; 8 clients: 8 prompts at once; "
+        f"{meta['runs']} run(s), median reported; prompts: the engine benchmark's (`specdec_bench.prompts`)",
+        "",
+        "| configuration | clients | prompts | tokens/s | × target only | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+        "| TPOT ms | acceptance | tokens/step |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in summary["rows"]:
+        out.append(
+            f"| {r['label']} | {r['clients']} | {r['prompt_set']} | {r['tokens_per_s']:.1f} "
+            f"| {_fmt(r.get('vs_target'), '.2f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | {_fmt(r['itl_p50_ms'], '.0f')} "
+            f"| {_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['acceptance'], '.3f')} "
+            f"| {_fmt(r['tokens_per_step'], '.2f')} |"
+        )
+    o = summary["overhead"]
+    if o is not None:
+        ok = o["tpot_overhead"] <= OVERHEAD_TARGET
+        out += [
+            "",
+            "### Network split overhead (batch 1, draft model, k=4): gateway + verifier + proposer processes vs the "
+            "in-process engine",
+            "",
+            "| per-token latency | in-process | through the gateway | overhead | target | result |",
+            "| --- | ---: | ---: | ---: | --- | --- |",
+            f"| TPOT (ms per token after the first) | {o['tpot_inproc_ms']:.1f} | {o['tpot_gateway_ms']:.1f} "
+            f"| {o['tpot_overhead']:+.1%} | <= +{OVERHEAD_TARGET:.0%} | {'PASS' if ok else 'FAIL'} |",
+            f"| wall time / tokens (TTFT included) | {o['per_token_inproc_ms']:.1f} | {o['per_token_gateway_ms']:.1f} "
+            f"| {o['wall_overhead']:+.1%} | | |",
+            f"| TTFT | {o['ttft_inproc_ms']:.0f} | {o['ttft_gateway_ms']:.0f} | "
+            f"{o['ttft_gateway_ms'] / o['ttft_inproc_ms'] - 1:+.0%} | | |",
+            "",
+            "Per run (TPOT overhead): " + ", ".join(f"{r['tpot_overhead']:+.1%}" for r in o["runs"]),
+        ]
+    out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
+    out += [f"- {line}" for line in summary["checks"]]
+    out += ["", "### How to read this", "", HOW_TO_READ, MARK_END, ""]
+    return "\n".join(out)
+
+
+HOW_TO_READ = """\
+tokens/s is all generated tokens divided by the wall time from the first request sent to the last token
+received (1 client: its prompts one after another; 8 clients: 8 requests at once, batched by the verifier).
+TTFT is from sending the request to the first message with tokens (prefill, plus queueing behind other
+clients); ITL is the gap between consecutive streamed messages that carry tokens, so with speculative
+decoding one gap may deliver several tokens (tokens/step says how many on average); TPOT is a request's
+time after its first message divided by the tokens after the first, averaged over requests: the per-token
+latency a user sees. × target only is the ratio to the target-only stack on the same prompts within the
+same run (median over runs). The in-process row runs the same engine code and EngineConfig in this
+process with the draft model in-process too: the overhead table is the cost of the split into processes
+(two gRPC hops per step: verifier <-> proposer propose round trip, verifier -> gateway stream, plus the
+gateway's detokenization), measured side by side. All processes share the same 2 cores, so the verifier,
+proposer and gateway also compete with each other and with the client; absolute numbers move with the load
+of the shared machine, the within-run ratios are the numbers to trust. The default draft was distilled on
+CPU and agrees with the target only ~10-30 % of the time, so the draft-model rows show a low-acceptance case."""
+
+
+def write_report(path: Path, section: str) -> None:
+    """Replace the text between the gateway markers (append the section when they are missing)."""
+    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    if MARK_START in text and MARK_END in text:
+        head, rest = text.split(MARK_START, 1)
+        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
+        text = head + section + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 1 prompt at 1 client, 16 tokens")
+    parser.add_argument("--runs", type=int, default=None, help="repetitions, median reported (default 3; quick 1)")
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64; quick 16)")
+    parser.add_argument("--batch1-prompts", type=int, default=None, help="prompts per 1-client run (default 2)")
+    parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
+    parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
+    parser.add_argument("--logs", default="", help="folder for the service logs (default: a temporary one)")
+    args = parser.parse_args(argv)
+    plan = Plan(
+        runs=args.runs or (1 if args.quick else 3),
+        max_tokens=args.max_tokens or (16 if args.quick else 64),
+        batch1_prompts=args.batch1_prompts or (1 if args.quick else 2),
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    import torch
+
+    torch.set_num_threads(NUM_THREADS)
+    log = Progress()
+    load_start = _load_average()
+    target_name, draft_name = default_target_model(), default_draft_model()
+    log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    stacks = build_stacks(log_dir, target_name, draft_name)
+    log(f"starting {sum(len(s.procs) for s in stacks.values())} service processes; logs in {log_dir}")
+    procs = [p for s in stacks.values() for p in s.procs]
+    failed = False
+    try:
+        for p in procs:
+            p.start()
+        from shared.model.loader import load_tokenizer
+
+        tok = load_tokenizer(target_name)
+        prompt_ids = {
+            "general": [chat_ids(tok, p) for p in GENERAL_PROMPTS],
+            "quoting": [chat_ids(tok, p) for p in QUOTING_PROMPTS],
+        }
+        log("loading the in-process engine (target + draft) while the services start")
+        inproc = InProcess(target_name, draft_name)
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for s in stacks.values():
+            s.wait_ready(deadline)
+        log(f"all services ready; plan {asdict(plan)}")
+        summary = run_benchmark(stacks, inproc, prompt_ids, plan, log)
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        codes = {p.name: p.stop() for p in reversed(procs)}
+        bad = {n: c for n, c in codes.items() if c != 0}
+        if bad:
+            print(f"services that did not exit with 0 after SIGTERM: {bad}; logs in {log_dir}", file=sys.stderr)
+            for p in procs:
+                if p.name in bad:
+                    print(f"----- {p.name} -----\n{p.tail()}", file=sys.stderr)
+        if failed:
+            for p in procs:
+                print(f"----- {p.name} (last lines) -----\n{p.tail(15)}", file=sys.stderr)
+    runtime = time.perf_counter() - log.start
+    command = "python -m specdec_bench.gateway_bench" + (" " + " ".join(sys.argv[1:]) if argv is None else "")
+    meta = {
+        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "runtime_s": runtime,
+        "quick": args.quick,
+        "command": command.strip(),
+        "machine": machine_info(),
+        "load_start": load_start,
+        "load_end": _load_average(),
+        "target": target_name,
+        "draft": draft_name,
+        **asdict(plan),
+    }
+    section = render(summary, meta)
+    print(section)
+    if args.out:
+        write_report(Path(args.out), section)
+        log(f"wrote {args.out}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str))
+    log(f"done in {runtime / 60:.1f} min")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
