@@ -58,7 +58,7 @@ from verifier_service.engine import Engine, EngineConfig
 NUM_THREADS = 2
 TEMPERATURES = (0.0, 0.8)
 BATCH_SIZES = (1, 8)
-MAX_MODEL_LEN = 1024  # longest prompt (~330 tokens) + 128 new + drafts fits; sizes the preallocated KV cache
+MAX_MODEL_LEN = 512  # longest prompt (166 tokens) + 128 new + drafts fits; sizes the preallocated KV cache
 MARK_START = "<!-- engine-bench:start -->"
 MARK_END = "<!-- engine-bench:end -->"
 MiB = 1024 * 1024
@@ -73,6 +73,7 @@ class Config:
     drafter: str | None = None  # engine: None, "draft", "ngram"
     k: int = 0
     batch1_only: bool = False
+    optional: bool = False  # run only with --hf-quoting
 
     @property
     def baseline_hf(self) -> str:
@@ -89,7 +90,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("c", "(c) engine k=0", "general", "engine"),
     Config("d2", "(d) engine + draft, k=2", "general", "engine", "draft", 2),
     Config("d4", "(d) engine + draft, k=4", "general", "engine", "draft", 4),
-    Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf"),
+    Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
     Config("cq", "(c) engine k=0 [quoting]", "quoting", "engine"),
     Config("e", "(e) engine + n-gram, k=4 [quoting]", "quoting", "engine", "ngram", 4),
 )
@@ -327,6 +328,8 @@ class Plan:
     max_tokens: int
     batch1_prompts: int
     cost_reps: int
+    hf_quoting: bool = False
+    threads: int = NUM_THREADS
 
 
 class Progress:
@@ -360,16 +363,21 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
         )
 
     groups = [(b, t) for b in BATCH_SIZES for t in TEMPERATURES]
-    active = {(b, t): [c for c in CONFIGS if not (c.batch1_only and b > 1)] for b, t in groups}
+    wanted = [c for c in CONFIGS if plan.hf_quoting or not c.optional]
+    active = {(b, t): [c for c in wanted if not (c.batch1_only and b > 1)] for b, t in groups}
 
-    def prompts_for(cfg: Config, batch: int) -> list[list[int]]:
+    def prompts_for(cfg: Config, batch: int, run: int) -> list[list[int]]:
+        """Batch 8: the 8 prompts of the set. Batch 1: `batch1_prompts` of them, the next ones each run."""
         ids = prompt_ids[cfg.prompt_set]
-        return ids[: plan.batch1_prompts] if batch == 1 else ids[:batch]
+        if batch > 1:
+            return ids[:batch]
+        return [ids[(run * plan.batch1_prompts + i) % len(ids)] for i in range(plan.batch1_prompts)]
 
-    log("warm-up (8 tokens per configuration)")
-    for batch, temperature in groups:
-        for cfg in active[(batch, temperature)]:
-            run_config(models, cfg, prompts_for(cfg, batch)[:batch], batch, temperature, 8, seed=0)
+    log("warm-up (4 tokens per configuration, 1 sequence; one batch-8 call each of HF and the engine)")
+    for cfg in active[(1, TEMPERATURES[-1])]:
+        run_config(models, cfg, prompts_for(cfg, 1, 0)[:1], 1, TEMPERATURES[-1], 4, seed=0)
+    for key in ("a", "c"):
+        run_config(models, CONFIG_BY_KEY[key], prompt_ids["general"][:8], 8, 0.0, 2, seed=0)
 
     results: dict[tuple[int, float, str], list[Measurement]] = {}
     for run in range(plan.runs):
@@ -377,7 +385,8 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
             cfgs = active[(batch, temperature)]
             shift = run % len(cfgs)
             for cfg in cfgs[shift:] + cfgs[:shift]:  # rotate the order from run to run
-                m = run_config(models, cfg, prompts_for(cfg, batch), batch, temperature, plan.max_tokens, 1000)
+                prompts = prompts_for(cfg, batch, run)
+                m = run_config(models, cfg, prompts, batch, temperature, plan.max_tokens, 1000 + 100 * run)
                 results.setdefault((batch, temperature, cfg.key), []).append(m)
                 extra = f", acceptance {m.accepted / m.drafted:.3f}" if m.drafted else ""
                 log(
@@ -394,10 +403,12 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
         for cfg in CONFIGS:
             ms = results.get((batch, temperature, cfg.key))
             row = {"batch": batch, "temperature": temperature, "key": cfg.key, "label": cfg.label}
-            row["prompts"] = f"{cfg.prompt_set} x{plan.batch1_prompts if batch == 1 else batch}"
+            row["prompts"] = f"{plan.batch1_prompts}/run" if batch == 1 else f"{batch}"
+            row["prompts"] += f" {cfg.prompt_set}"
             if ms is None:
-                row["na"] = "n/a (HF supports batch 1 only)" if cfg.batch1_only else "n/a"
-                rows.append(row)
+                if cfg.batch1_only:
+                    row["na"] = "n/a (HF supports batch 1 only)"
+                    rows.append(row)
                 continue
             row["tokens_per_s"] = statistics.median(m.tokens_per_s for m in ms)
             row["tokens_per_s_runs"] = [m.tokens_per_s for m in ms]
@@ -488,7 +499,8 @@ def render(summary: dict, meta: dict) -> str:
         f"load average at start / end: {meta['load_start']} / {meta['load_end']} (the machine is shared)",
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
         f"- Work per configuration and run: {meta['max_tokens']} new tokens per sequence (forced: EOS ignored), "
-        f"batch 1: {meta['batch1_prompts']} prompt(s) one after another, batch 8: 8 prompts together; "
+        f"batch 1: {meta['batch1_prompts']} prompt(s) per run one after another (different ones each run, "
+        f"the same for every row of a run), batch 8: the 8 prompts of the set together; "
         f"{meta['runs']} run(s), median reported; engine `max_model_len` {MAX_MODEL_LEN}, block size 16",
         f"- Process peak RSS (getrusage ru_maxrss) at the end: {meta['max_rss_mib']:.0f} MiB; "
         f"RSS with all four models loaded, before the first configuration: {meta['rss_loaded_mib']:.0f} MiB",
@@ -567,7 +579,8 @@ same prompts with the same forced number of new tokens, so rows differ only in h
 × (a) and × (c) are computed inside each run, row against baseline measured minutes apart on the same busy
 machine, and the median over runs is shown; they are the numbers to trust, the absolute tokens/s move with
 the load of the shared 2-core machine. Rows marked [quoting] use the 8 prompts that quote their input (code
-edits, summaries with quotations); their × (a) and × (c) are against (a) and (c) run on those same prompts.
+edits, summaries with quotations); their × (c) is against (c) run on those same prompts, and their × (a) is
+shown only when `--hf-quoting` also ran (a) on them (left out by default to fit the time budget).
 acceptance is accepted draft tokens / drafted tokens over all runs; mean acc. len is tokens emitted per
 draft round (1 + accepted / rounds), i.e. target forwards saved. peak RSS Δ is the highest resident set size
 seen (sampled every 20 ms) while the configuration ran, minus the RSS just before it (after gc and
@@ -601,10 +614,12 @@ def _load_average() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 1 prompt at batch 1, 32 tokens")
+    parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 32 tokens")
     parser.add_argument("--runs", type=int, default=None, help="repetitions, median reported (default 3; quick 1)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick 32)")
-    parser.add_argument("--batch1-prompts", type=int, default=None, help="prompts per batch-1 run (default 2)")
+    parser.add_argument("--batch1-prompts", type=int, default=None, help="prompts per batch-1 run (default 1)")
+    parser.add_argument("--hf-quoting", action="store_true", help="also run (a) on the quoting prompts")
+    parser.add_argument("--threads", type=int, default=NUM_THREADS, help="torch threads (default 2)")
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
     parser.add_argument("--target", default=None, help="target model (default: shared.settings)")
@@ -614,11 +629,13 @@ def main(argv: list[str] | None = None) -> int:
     plan = Plan(
         runs=args.runs or (1 if args.quick else 3),
         max_tokens=args.max_tokens or (32 if args.quick else 128),
-        batch1_prompts=args.batch1_prompts or (1 if args.quick else 2),
-        cost_reps=5 if args.quick else 10,
+        batch1_prompts=args.batch1_prompts or 1,
+        cost_reps=5 if args.quick else 8,
+        hf_quoting=args.hf_quoting,
+        threads=args.threads,
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    torch.set_num_threads(NUM_THREADS)
+    torch.set_num_threads(plan.threads)
     torch.manual_seed(0)
     log = Progress()
     load_start = _load_average()

@@ -43,7 +43,7 @@ import grpc
 import numpy as np
 
 from gateway.health_probe import check_once
-from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
@@ -77,6 +77,7 @@ CONFIGS: tuple[GwConfig, ...] = (
 )
 CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
 INPROC_LABEL = "in-process engine, draft model, k=4"
+DIRECT_LABEL = "verifier directly (no gateway), draft model, k=4"
 
 
 # ---- the service processes -----------------------------------------------------------------------------
@@ -307,6 +308,35 @@ async def run_gateway(address: str, prompts: Sequence[list[int]], clients: int, 
     return Measurement(wall, [t for _, t in sorted(traces, key=lambda x: x[0])])
 
 
+async def run_verifier(address: str, prompts: Sequence[list[int]], max_tokens: int) -> Measurement:
+    """One client calling Verifier.Generate directly (no gateway hop), prompts one after another."""
+    traces = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = verifier_pb2_grpc.VerifierStub(channel)
+        start = time.perf_counter()
+        for prompt in prompts:
+            request = verifier_pb2.VerifierGenerateRequest(
+                prompt_token_ids=prompt,
+                sampling_params=common_pb2.SamplingParams(temperature=0.0),
+                max_tokens=max_tokens,
+                ignore_eos=True,
+            )
+            trace = Trace(time.perf_counter())
+            async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S):
+                if msg.token_ids:
+                    trace.times.append(time.perf_counter())
+                    trace.counts.append(len(msg.token_ids))
+                    trace.ids.extend(msg.token_ids)
+                if msg.HasField("usage"):
+                    trace.drafted, trace.accepted = msg.usage.drafted_tokens, msg.usage.accepted_tokens
+                    trace.steps = msg.usage.num_steps
+            if trace.tokens != max_tokens:
+                raise RuntimeError(f"{address}: {trace.tokens} tokens instead of {max_tokens}")
+            traces.append(trace)
+        wall = time.perf_counter() - start
+    return Measurement(wall, traces)
+
+
 class InProcess:
     """The engine in this process: same target and draft, same EngineConfig, k = 4 fixed, batch 1."""
 
@@ -388,7 +418,9 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
     for cfg in CONFIGS:
         gw(cfg, 1, 8)
     inproc.run(prompts_for("general", 1)[:1], 8)
+    asyncio.run(run_verifier(stacks["draft"].verifier.address, prompts_for("general", 1)[:1], 8))
 
+    direct = stacks["draft"].verifier.address
     results: dict[tuple[str, int], list[Measurement]] = {}
     for run in range(plan.runs):
         for clients in CLIENTS:
@@ -397,6 +429,9 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
             ]
             if clients == 1:
                 jobs.append(("inproc", lambda: inproc.run(prompts_for("general", 1), plan.max_tokens)))
+                jobs.append(
+                    ("direct", lambda: asyncio.run(run_verifier(direct, prompts_for("general", 1), plan.max_tokens)))
+                )
             shift = run % len(jobs)
             for key, job in jobs[shift:] + jobs[:shift]:  # rotate the order from run to run
                 m = job()
@@ -411,7 +446,9 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
 
 
 def label_of(key: str) -> str:
-    return INPROC_LABEL if key == "inproc" else "gateway: " + CONFIG_BY_KEY[key].label
+    if key in ("inproc", "direct"):
+        return INPROC_LABEL if key == "inproc" else DIRECT_LABEL
+    return "gateway: " + CONFIG_BY_KEY[key].label
 
 
 def _median(values: list) -> float | None:
@@ -424,41 +461,47 @@ def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> 
     for (key, clients), ms in results.items():
         sums = [m.summary() for m in ms]
         row = {"key": key, "label": label_of(key), "clients": clients, "runs": len(ms)}
-        row["prompt_set"] = "general" if key == "inproc" else CONFIG_BY_KEY[key].prompt_set
+        row["prompt_set"] = CONFIG_BY_KEY[key].prompt_set if key in CONFIG_BY_KEY else "general"
         for name in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms", "tokens_per_step"):
             row[name] = _median([s[name] for s in sums])
         drafted = sum(s["drafted"] for s in sums)
         row["acceptance"] = sum(s["accepted"] for s in sums) / drafted if drafted else None
         row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in sums]
         base = "tq" if row["prompt_set"] == "quoting" else "t"
-        if key not in ("t", "tq") and (base, clients) in results:
+        if key in CONFIG_BY_KEY and key not in ("t", "tq") and (base, clients) in results:
             bs = results[(base, clients)]
             row["vs_target"] = statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bs, strict=True))
         rows.append(row)
-    order = {k: i for i, k in enumerate(["inproc", *CONFIG_BY_KEY])}
+    order = {k: i for i, k in enumerate(["inproc", "direct", *CONFIG_BY_KEY])}
     rows.sort(key=lambda r: (r["clients"], order[r["key"]]))
 
     overhead = None
     if ("inproc", 1) in results and ("d4", 1) in results:
-        pairs = list(zip(results[("inproc", 1)], results[("d4", 1)], strict=True))
+        direct = results.get(("direct", 1), [None] * len(results[("inproc", 1)]))
         per_run = []
-        for local, remote in pairs:
+        for local, mid, remote in zip(results[("inproc", 1)], direct, results[("d4", 1)], strict=True):
             a, b = local.summary(), remote.summary()
-            per_run.append(
-                {
-                    "tpot_inproc_ms": a["tpot_ms"],
-                    "tpot_gateway_ms": b["tpot_ms"],
-                    "tpot_overhead": b["tpot_ms"] / a["tpot_ms"] - 1,
-                    "per_token_inproc_ms": 1e3 * a["wall_s"] / a["tokens"],
-                    "per_token_gateway_ms": 1e3 * b["wall_s"] / b["tokens"],
-                    "ttft_inproc_ms": a["ttft_p50_ms"],
-                    "ttft_gateway_ms": b["ttft_p50_ms"],
+            run = {
+                "tpot_inproc_ms": a["tpot_ms"],
+                "tpot_gateway_ms": b["tpot_ms"],
+                "tpot_overhead": b["tpot_ms"] / a["tpot_ms"] - 1,
+                "per_token_inproc_ms": 1e3 * a["wall_s"] / a["tokens"],
+                "per_token_gateway_ms": 1e3 * b["wall_s"] / b["tokens"],
+                "wall_overhead": (b["wall_s"] / b["tokens"]) / (a["wall_s"] / a["tokens"]) - 1,
+                "ttft_inproc_ms": a["ttft_p50_ms"],
+                "ttft_gateway_ms": b["ttft_p50_ms"],
+            }
+            if mid is not None:
+                m = mid.summary()
+                run |= {
+                    "tpot_direct_ms": m["tpot_ms"],
+                    "per_token_direct_ms": 1e3 * m["wall_s"] / m["tokens"],
+                    "ttft_direct_ms": m["ttft_p50_ms"],
+                    "tpot_split_overhead": m["tpot_ms"] / a["tpot_ms"] - 1,
+                    "tpot_gateway_hop_overhead": b["tpot_ms"] / m["tpot_ms"] - 1,
                 }
-            )
+            per_run.append(run)
         overhead = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
-        overhead["wall_overhead"] = statistics.median(
-            r["per_token_gateway_ms"] / r["per_token_inproc_ms"] - 1 for r in per_run
-        )
         overhead["runs"] = per_run
     return {"rows": rows, "overhead": overhead, "checks": output_checks(results)}
 
@@ -526,22 +569,43 @@ def render(summary: dict, meta: dict) -> str:
     o = summary["overhead"]
     if o is not None:
         ok = o["tpot_overhead"] <= OVERHEAD_TARGET
+        has_direct = "tpot_direct_ms" in o
+
+        def row(name: str, key: str, spec: str, total: str, target: str = "", result: str = "") -> str:
+            direct = f"{o[key + '_direct_ms']:{spec}} | " if has_direct else ""
+            return (
+                f"| {name} | {o[key + '_inproc_ms']:{spec}} | {direct}{o[key + '_gateway_ms']:{spec}} | {total} "
+                f"| {target} | {result} |"
+            )
+
         out += [
             "",
-            "### Network split overhead (batch 1, draft model, k=4): gateway + verifier + proposer processes vs the "
-            "in-process engine",
+            "### Network split overhead (1 client, draft model, k=4): separate processes vs the in-process engine",
             "",
-            "| per-token latency | in-process | through the gateway | overhead | target | result |",
-            "| --- | ---: | ---: | ---: | --- | --- |",
-            f"| TPOT (ms per token after the first) | {o['tpot_inproc_ms']:.1f} | {o['tpot_gateway_ms']:.1f} "
-            f"| {o['tpot_overhead']:+.1%} | <= +{OVERHEAD_TARGET:.0%} | {'PASS' if ok else 'FAIL'} |",
-            f"| wall time / tokens (TTFT included) | {o['per_token_inproc_ms']:.1f} | {o['per_token_gateway_ms']:.1f} "
-            f"| {o['wall_overhead']:+.1%} | | |",
-            f"| TTFT | {o['ttft_inproc_ms']:.0f} | {o['ttft_gateway_ms']:.0f} | "
-            f"{o['ttft_gateway_ms'] / o['ttft_inproc_ms'] - 1:+.0%} | | |",
+            "| per-token latency, ms | in-process engine | "
+            + ("verifier + proposer processes, client on the verifier | " if has_direct else "")
+            + "client -> gateway -> verifier <-> proposer | overhead (gateway vs in-process) | target | result |",
+            "| --- | ---: | " + ("---: | " if has_direct else "") + "---: | ---: | --- | --- |",
+            row(
+                "TPOT (per token after the first)",
+                "tpot",
+                ".1f",
+                f"{o['tpot_overhead']:+.1%}",
+                f"<= +{OVERHEAD_TARGET:.0%}",
+                "PASS" if ok else "FAIL",
+            ),
+            row("wall time / tokens (TTFT included)", "per_token", ".1f", f"{o['wall_overhead']:+.1%}"),
+            row("TTFT", "ttft", ".0f", f"{o['ttft_gateway_ms'] / o['ttft_inproc_ms'] - 1:+.0%}"),
             "",
-            "Per run (TPOT overhead): " + ", ".join(f"{r['tpot_overhead']:+.1%}" for r in o["runs"]),
+            "TPOT overhead per run: " + ", ".join(f"{r['tpot_overhead']:+.1%}" for r in o["runs"]),
         ]
+        if has_direct:
+            out += [
+                "",
+                f"Split of the TPOT overhead (medians): verifier <-> proposer in separate processes "
+                f"{o['tpot_split_overhead']:+.1%} (in-process engine -> client on the verifier), the gateway hop "
+                f"{o['tpot_gateway_hop_overhead']:+.1%} (client on the verifier -> client on the gateway).",
+            ]
     out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
     out += [f"- {line}" for line in summary["checks"]]
     out += ["", "### How to read this", "", HOW_TO_READ, MARK_END, ""]

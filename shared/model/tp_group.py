@@ -266,20 +266,21 @@ class TPGroup:
 
     def on_failure(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` once, from any thread, when the group fails; starts the watchdog."""
-        self._callbacks.append(callback)
-        if self.failure is not None:
-            callback(self.failure)
+        with _fail_lock:
+            self._callbacks.append(callback)
+            already = self.failure
+        if already is not None:  # failed before this callback was registered: fail() did not call it
+            callback(already)
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="tp-watchdog", daemon=True)
             self._watchdog.start()
 
     def _watch(self) -> None:
         while not self._closing and self.failure is None:
-            for rank, proc in enumerate(self.procs, start=1):
-                code = proc.poll()
-                if code is not None and not self._closing:
-                    self.fail(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}")
-                    return
+            exited = self._exited()
+            if exited and not self._closing:
+                self.fail(exited)
+                return
             time.sleep(POLL_S * 4)
 
     def fail(self, reason: str) -> None:
@@ -288,8 +289,9 @@ class TPGroup:
             if self.failure is not None:
                 return
             self.failure = reason
+            callbacks = list(self._callbacks)
         log.error("tensor-parallel group failed: %s", reason)
-        for callback in self._callbacks:
+        for callback in callbacks:
             try:
                 callback(reason)
             except Exception:
@@ -300,9 +302,25 @@ class TPGroup:
             raise UnavailableError(f"the tensor-parallel group has failed ({self.failure}); the service is exiting")
 
     def step_failed(self, err: BaseException) -> UnavailableError:
-        """A collective or the local shard raised mid-step: the ranks are out of step for good."""
-        self.fail(f"a step failed on rank 0: {type(err).__name__}: {_short(err)}")
-        return UnavailableError(f"the tensor-parallel group has failed ({_short(err)}); the service is exiting")
+        """A collective or the local shard raised mid-step: the ranks are out of step for good. The usual
+        cause is a dead rank (its sockets close before its exit is seen): name it when it shows up soon."""
+        reason = f"a step failed on rank 0: {type(err).__name__}: {_short(err)}"
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline:
+            exited = self._exited()
+            if exited:
+                reason = exited
+                break
+            time.sleep(POLL_S)
+        self.fail(reason)
+        return UnavailableError(f"the tensor-parallel group has failed ({reason}); the service is exiting")
+
+    def _exited(self) -> str | None:
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                return f"tensor-parallel rank {rank} (pid {proc.pid}) exited with code {code}"
+        return None
 
     # ---- sending ---------------------------------------------------------------------------------
 

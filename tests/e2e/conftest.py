@@ -95,6 +95,7 @@ class Service:
     port: int
     proc: subprocess.Popen | None = None
     expect_killed: bool = False  # a test SIGKILLs it on purpose
+    terminated: bool = False  # SIGTERM sent
     _log: object = None
 
     @property
@@ -139,13 +140,19 @@ class Service:
         self.proc.kill()
         self.proc.wait(timeout=30)
 
+    def terminate(self) -> None:
+        """Send SIGTERM (stop() then waits for the exit)."""
+        if self.alive():
+            self.terminated = True
+            self.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
+
     def stop(self) -> str | None:
         """SIGTERM, wait; SIGKILL after STOP_TIMEOUT_S. Returns a problem description or None."""
         if self.proc is None:
             return None
         problem = None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+        if self.proc.poll() is None or (self.terminated and not self.expect_killed):
+            self.terminate()
             try:
                 self.proc.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
@@ -371,10 +378,15 @@ class Launcher:
                 self.launch(fixture)
 
     def stop_all(self) -> list[str]:
+        """Gateways first, then verifiers, then proposers (each tier's processes stop in parallel)."""
         problems = []
-        for stack in self.stacks.values():
-            for p in stack.stop():
-                problems.append(f"{p}\n{stack.logs()}")
+        for tier in ("gateway", "verifier", "proposer"):
+            services = [(st, s) for st in self.stacks.values() for s in st.services if s.name.endswith(tier)]
+            for _, s in services:
+                s.terminate()
+            for stack, s in services:
+                if (p := s.stop()) is not None:
+                    problems.append(f"{p}\n{stack.logs()}")
         return problems
 
 

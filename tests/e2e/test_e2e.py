@@ -47,6 +47,7 @@ class Result:
     error: grpc.aio.AioRpcError | None = None
     cancelled: bool = False
     protocol_errors: list[str] = field(default_factory=list)
+    request_id: str = ""
 
     @property
     def text(self) -> str:
@@ -55,6 +56,11 @@ class Result:
     def add(self, msg: gateway_pb2.GenerateResponse) -> None:
         if self.final is not None:
             self.protocol_errors.append("a message after the one with finish_reason")
+        if not msg.request_id:
+            self.protocol_errors.append("a message without request_id")
+        elif self.messages and msg.request_id != self.request_id:
+            self.protocol_errors.append(f"request_id changed from {self.request_id!r} to {msg.request_id!r}")
+        self.request_id = msg.request_id
         self.messages += 1
         self.token_messages += bool(msg.token_ids)
         self.ids.extend(msg.token_ids)

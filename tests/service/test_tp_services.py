@@ -12,6 +12,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -81,19 +82,8 @@ def test_verifier_tp2_and_proposer_tp2_greedy_then_rank_failures(tmp_path):
     references = [hf_greedy(target_hf, p, MAX_TOKENS, eos=False) for p in PROMPTS]
 
     async def body() -> None:
-        proposer = await ProposerServer.start(
-            ProposerConfig(
-                model=str(tmp_path / "draft"),
-                tensor_parallel_size=2,
-                host="127.0.0.1",
-                port=0,
-                device="cpu",
-                max_model_len=256,
-                block_size=4,
-                max_num_seqs=4,
-                max_k=4,
-            )
-        )
+        proposer_port = free_port()
+        # Both start at once (the verifier connects to the proposer whenever it comes up).
         verifier = Process(
             [
                 sys.executable,
@@ -101,19 +91,41 @@ def test_verifier_tp2_and_proposer_tp2_greedy_then_rank_failures(tmp_path):
                 "verifier_service.server",
                 *("--model", str(tmp_path / "target"), "--tensor-parallel-size", "2"),
                 *("--host", "127.0.0.1", "--port", "0", "--device", "cpu"),
-                *("--proposer", f"127.0.0.1:{proposer.port}", "--num-speculative-tokens", "3", "--no-adaptive-k"),
+                *("--proposer", f"127.0.0.1:{proposer_port}", "--num-speculative-tokens", "3", "--no-adaptive-k"),
                 *("--max-model-len", "256", "--block-size", "4", "--max-num-seqs", "4"),
+                *("--proposer-reconnect-max-s", "0.5"),
             ]
         )
+        proposer = None
         try:
+            proposer = await ProposerServer.start(
+                ProposerConfig(
+                    model=str(tmp_path / "draft"),
+                    tensor_parallel_size=2,
+                    host="127.0.0.1",
+                    port=proposer_port,
+                    device="cpu",
+                    max_model_len=256,
+                    block_size=4,
+                    max_num_seqs=4,
+                    max_k=4,
+                )
+            )
             await run_checks(proposer, verifier, references)
         finally:
             verifier.stop()
-            if proposer.tp_runner is not None:
-                proposer.tp_runner.group.kill()
-            await proposer.server.stop(0)
+            if proposer is not None:
+                if proposer.tp_runner is not None:
+                    proposer.tp_runner.group.kill()
+                await proposer.server.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 150))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 async def generate(stub, prompt: list[int], max_tokens: int) -> list[int]:
@@ -134,6 +146,11 @@ async def run_checks(proposer: ProposerServer, verifier: Process, references: li
         reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=5)
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = verifier_pb2_grpc.VerifierStub(channel)
+        for _ in range(300):  # the proposer came up in parallel: wait until the verifier is connected to it
+            stats = await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())
+            if stats.stats.proposer_connected:
+                break
+            await asyncio.sleep(0.1)
         outputs = await asyncio.gather(*(generate(stub, p, MAX_TOKENS) for p in PROMPTS))
         assert outputs == references
         stats = await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())
@@ -161,4 +178,4 @@ async def run_checks(proposer: ProposerServer, verifier: Process, references: li
             assert err.code() == grpc.StatusCode.UNAVAILABLE, err
     code = await asyncio.to_thread(verifier.proc.wait, 30)
     assert code != 0
-    assert verifier.find(r"tensor-parallel rank failure, the verifier stops serving: .*rank 1")
+    assert verifier.find(r"the verifier stops serving: tensor-parallel rank 1 .* exited with code -9")

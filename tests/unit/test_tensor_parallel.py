@@ -14,6 +14,7 @@ Refusals (heads or KV heads not divisible) are checked without starting anything
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -28,7 +29,7 @@ from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
-from shared.model.parallel import TensorParallel
+from shared.model.parallel import ColumnParallelLinear, TensorParallel
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tp_group import RankSpec, TPModelRunner, check_tensor_parallel, launch_tp_runner
 from shared.sampling import SamplingParams
@@ -91,7 +92,7 @@ def run_ranks(runners: list[ModelRunner], items: list[ForwardItem]) -> list[list
     def work(rank: int) -> None:
         try:
             results[rank] = runners[rank].forward(items)
-        except BaseException as err:  # noqa: BLE001 - reported below
+        except BaseException as err:  # reported below
             results[rank] = err
 
     threads = [threading.Thread(target=work, args=(r,)) for r in range(len(runners))]
@@ -172,16 +173,13 @@ def test_kv_head_replication_layout() -> None:
     """8 query heads, 2 KV heads, 4 ranks: ranks 0-1 hold KV head 0, ranks 2-3 KV head 1, and each rank's
     two query heads are among those that use its KV head."""
     arch = ModelArch(64, 64, 1, 8, 2, 8, 32, 1e-5, 64, False, rope_parameters={"rope_type": "default"})
-    k_rows = torch.arange(arch.kv_size).float().unsqueeze(1).expand(-1, arch.hidden_size)
-    state = {"k": k_rows}
+    k = torch.arange(arch.kv_size).float().unsqueeze(1).expand(-1, arch.hidden_size)  # row i holds i
     for rank in range(4):
         tp = TensorParallel(rank, 4)
         assert tp.kv_head_replicas(2) == 2 and tp.local_kv_heads(2) == 1
-        from shared.model.parallel import ColumnParallelLinear
-
         layer = ColumnParallelLinear(arch.hidden_size, [arch.q_size, arch.kv_size, arch.kv_size], False, tp, [1, 2, 2])
         q = torch.arange(arch.q_size).float().unsqueeze(1).expand(-1, arch.hidden_size)
-        layer.load_full_weight([q, state["k"], state["k"] + 1000])
+        layer.load_full_weight([q, k, k + 1000])
         q_rows, k_part, v_part = layer.weight[:, 0].split([16, 8, 8])
         kv_head = rank // 2
         assert k_part.tolist() == list(range(kv_head * 8, kv_head * 8 + 8))
@@ -237,6 +235,25 @@ def test_real_target_at_tp2_is_refused_before_anything_starts() -> None:
     message = str(info.value)
     assert "attention heads = 9 is not divisible by 2" in message and "1, 3, 9" in message
     assert time.monotonic() - started < 10
+
+
+def test_services_refuse_the_real_models_at_tp2_with_exit_code_2(caplog) -> None:
+    """`specdec-verifier/proposer --tensor-parallel-size 2` on the default models (9 heads): a clear error and
+    exit code 2, before any rank starts."""
+    from proposer_service import server as proposer_server
+    from proposer_service.config import ProposerConfig
+    from verifier_service import server as verifier_server
+    from verifier_service.config import VerifierConfig
+
+    for run_service in (
+        lambda: verifier_server.serve(VerifierConfig(tensor_parallel_size=2, device="cpu", port=0)),
+        lambda: proposer_server.serve(ProposerConfig(tensor_parallel_size=2, device="cpu", port=0)),
+    ):
+        caplog.clear()
+        with pytest.raises(SystemExit) as info:
+            asyncio.run(run_service())
+        assert info.value.code == 2
+        assert "attention heads = 9 is not divisible by 2" in caplog.text
 
 
 def test_tp_needs_a_checkpoint_not_a_loaded_model() -> None:
@@ -350,3 +367,41 @@ def test_tp2_worker_death_fails_the_group_cleanly(tp2: TPModelRunner) -> None:
         tp2.forward([ForwardItem([0], 0, [1, 2], 1)])
     assert time.monotonic() - started < 1
     assert len(reasons) == 1  # once
+
+
+# ---------------------------------------------------------------------- the real target at TP 3
+
+
+@pytest.mark.slow
+def test_real_target_tp3_logits_and_greedy_equal_tp1(target) -> None:
+    """SmolLM2-135M (9 heads, 3 KV heads) split 3 ways: 3 ranks on 2 cores, so slow, but the real shapes.
+    The `target` fixture (TP 1) is loaded first, which also fills the de-quantised GGUF cache the ranks read."""
+    model, arch = target
+    block, num_blocks = 16, 24
+    threads = torch.get_num_threads()
+    runner = launch_tp_runner(RankSpec(default_target_model(), num_blocks, block, num_threads=1), 3)
+    torch.set_num_threads(threads)
+    try:
+        assert runner.cache.layers[0][0].shape[2] == 1  # one KV head per rank
+        reference = ModelRunner(model, KVCache(arch.num_layers, num_blocks, block, arch.num_kv_heads, arch.head_dim))
+        for items in mixed_batches(arch.vocab_size, block, seed=5)[:1]:
+            for e, a in zip(reference.forward(items), runner.forward(items), strict=True):
+                if e.numel():
+                    scale = e.abs().max().item()
+                    assert (a - e).abs().max().item() <= 1e-4 * max(1.0, scale)
+
+        config = EngineConfig(num_speculative_tokens=0, max_num_seqs=2, max_model_len=96)
+        prompt = [1, 504, 3458, 282, 4760, 314, 2]  # any ids; greedy from the target alone
+        outs = []
+        for engine in (
+            Engine(config, runner, BlockManager(num_blocks, block), None, arch.eos_token_ids),
+            build_engine(target, None, config, CacheConfig(block_size=block, num_blocks=num_blocks)),
+        ):
+            engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+            while engine.has_unfinished():
+                for out in engine.step():
+                    if out.finished:
+                        outs.append(out.output_ids)
+        assert outs[0] == outs[1] and len(outs[0]) == 8
+    finally:
+        runner.close()
