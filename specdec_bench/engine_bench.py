@@ -74,6 +74,7 @@ class Config:
     k: int = 0
     batch1_only: bool = False
     optional: bool = False  # run only with --hf-quoting
+    adaptive: bool = False  # the engine's adaptive draft length (its default); the labelled k rows fix k
 
     @property
     def baseline_hf(self) -> str:
@@ -90,6 +91,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("c", "(c) engine k=0", "general", "engine"),
     Config("d2", "(d) engine + draft, k=2", "general", "engine", "draft", 2),
     Config("d4", "(d) engine + draft, k=4", "general", "engine", "draft", 4),
+    Config("da", "(d') engine + draft, adaptive k<=4 (engine default)", "general", "engine", "draft", 4, adaptive=True),
     Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
     Config("cq", "(c) engine k=0 [quoting]", "quoting", "engine"),
     Config("e", "(e) engine + n-gram, k=4 [quoting]", "quoting", "engine", "ngram", 4),
@@ -168,12 +170,14 @@ def sampling_params(temperature: float, max_tokens: int, seed: int) -> SamplingP
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
-def engine_config(k: int) -> EngineConfig:
-    return EngineConfig(num_speculative_tokens=max(k, 1), max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+def engine_config(k: int, adaptive: bool) -> EngineConfig:
+    return EngineConfig(
+        num_speculative_tokens=max(k, 1), max_num_seqs=8, max_model_len=MAX_MODEL_LEN, adaptive_k=adaptive
+    )
 
 
 def build(models: Models, cfg: Config) -> Engine:
-    config = engine_config(cfg.k)
+    config = engine_config(cfg.k, cfg.adaptive)
     if cfg.drafter == "draft":
         drafter = make_draft_model_drafter(*models.draft, config, CacheConfig())
         return build_engine(models.target, drafter, config)
@@ -422,7 +426,7 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
                 row["acceptance_rate"] = accepted / drafted
                 row["mean_accepted_length"] = 1 + accepted / sum(m.draft_rounds for m in ms)
             row["rss_delta_mib"] = statistics.median(m.rss_delta for m in ms) / MiB
-            if cfg.drafter == "draft":
+            if cfg.drafter == "draft" and not cfg.adaptive:
                 cost = costs[batch]
                 a = row["acceptance_rate"]
                 row["c"] = cost["c"]
@@ -440,7 +444,7 @@ def output_checks(results, models: Models, plan: Plan) -> list[str]:
     the engine at k = 0 equals transformers (same weights, fp32; batched kernels may break near-ties)."""
     lines = []
     for batch in BATCH_SIZES:
-        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("e", "cq"), ("b", "a")]
+        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("da", "c"), ("e", "cq"), ("b", "a")]
         for x, y in pairs:
             mx, my = results.get((batch, 0.0, x)), results.get((batch, 0.0, y))
             if not mx or not my:

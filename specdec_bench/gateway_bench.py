@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import signal
@@ -38,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -414,6 +416,9 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
         address = stacks[cfg.stack].gateway.address
         return asyncio.run(run_gateway(address, prompts_for(cfg.prompt_set, clients), clients, max_tokens))
 
+    def gw_prompts(address: str, prompts: list[list[int]], max_tokens: int) -> Measurement:
+        return asyncio.run(run_gateway(address, prompts, 1, max_tokens))
+
     log("warm-up (8 tokens per configuration)")
     for cfg in CONFIGS:
         gw(cfg, 1, 8)
@@ -421,27 +426,51 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
     asyncio.run(run_verifier(stacks["draft"].verifier.address, prompts_for("general", 1)[:1], 8))
 
     direct = stacks["draft"].verifier.address
+    trio_runners: dict[str, Callable[[list[list[int]]], Measurement]] = {
+        "inproc": lambda ps: inproc.run(ps, plan.max_tokens),
+        "direct": lambda ps: asyncio.run(run_verifier(direct, ps, plan.max_tokens)),
+        "d4": lambda ps: gw_prompts(stacks["draft"].gateway.address, ps, plan.max_tokens),
+    }
+
+    def trio(run: int) -> dict[str, Measurement]:
+        """The split-overhead comparison at 1 client: in-process engine, client on the verifier, client on the
+        gateway, interleaved request by request (the order rotating) so that load changes on the shared
+        machine hit the three alike."""
+        parts: dict[str, list[Measurement]] = {key: [] for key in trio_runners}
+        keys = list(trio_runners)
+        for j, prompt in enumerate(prompts_for("general", 1)):
+            shift = (run + j) % len(keys)
+            for key in keys[shift:] + keys[:shift]:
+                parts[key].append(trio_runners[key]([prompt]))
+        return {
+            key: Measurement(sum(m.wall_s for m in ms), [t for m in ms for t in m.traces]) for key, ms in parts.items()
+        }
+
     results: dict[tuple[str, int], list[Measurement]] = {}
+
+    def record(key: str, clients: int, m: Measurement, run: int) -> None:
+        results.setdefault((key, clients), []).append(m)
+        s = m.summary()
+        log(
+            f"run {run + 1}/{plan.runs} clients {clients}: {label_of(key)}: {s['tokens']} tokens in "
+            f"{s['wall_s']:.1f} s = {s['tokens_per_s']:.1f} tok/s, TTFT {s['ttft_p50_ms']:.0f} ms, "
+            f"TPOT {_fmt(s['tpot_ms'], '.1f')} ms"
+        )
+
     for run in range(plan.runs):
         for clients in CLIENTS:
-            jobs: list[tuple[str, Callable[[], Measurement]]] = [
-                (cfg.key, lambda cfg=cfg, c=clients: gw(cfg, c, plan.max_tokens)) for cfg in CONFIGS
+            jobs: list[tuple[str, Callable[[], Any]]] = [
+                (cfg.key, functools.partial(gw, cfg, clients, plan.max_tokens))
+                for cfg in CONFIGS
+                if not (clients == 1 and cfg.key == "d4")  # at 1 client d4 runs inside the trio
             ]
             if clients == 1:
-                jobs.append(("inproc", lambda: inproc.run(prompts_for("general", 1), plan.max_tokens)))
-                jobs.append(
-                    ("direct", lambda: asyncio.run(run_verifier(direct, prompts_for("general", 1), plan.max_tokens)))
-                )
+                jobs.append(("trio", functools.partial(trio, run)))
             shift = run % len(jobs)
             for key, job in jobs[shift:] + jobs[:shift]:  # rotate the order from run to run
-                m = job()
-                results.setdefault((key, clients), []).append(m)
-                s = m.summary()
-                log(
-                    f"run {run + 1}/{plan.runs} clients {clients}: {label_of(key)}: {s['tokens']} tokens in "
-                    f"{s['wall_s']:.1f} s = {s['tokens_per_s']:.1f} tok/s, TTFT {s['ttft_p50_ms']:.0f} ms, "
-                    f"TPOT {_fmt(s['tpot_ms'], '.1f')} ms"
-                )
+                out = job()
+                for k, m in out.items() if isinstance(out, dict) else [(key, out)]:
+                    record(k, clients, m, run)
     return summarise(results, plan)
 
 
@@ -457,7 +486,7 @@ def _median(values: list) -> float | None:
 
 
 def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> dict:
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (key, clients), ms in results.items():
         sums = [m.summary() for m in ms]
         row = {"key": key, "label": label_of(key), "clients": clients, "runs": len(ms)}
@@ -473,7 +502,7 @@ def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> 
             row["vs_target"] = statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bs, strict=True))
         rows.append(row)
     order = {k: i for i, k in enumerate(["inproc", "direct", *CONFIG_BY_KEY])}
-    rows.sort(key=lambda r: (r["clients"], order[r["key"]]))
+    rows.sort(key=lambda r: (r["clients"], order[str(r["key"])]))
 
     overhead = None
     if ("inproc", 1) in results and ("d4", 1) in results:
@@ -570,6 +599,8 @@ def render(summary: dict, meta: dict) -> str:
     if o is not None:
         ok = o["tpot_overhead"] <= OVERHEAD_TARGET
         has_direct = "tpot_direct_ms" in o
+        per_run = [r["tpot_overhead"] for r in o["runs"]]
+        spread = 100 * (max(per_run) - min(per_run))
 
         def row(name: str, key: str, spec: str, total: str, target: str = "", result: str = "") -> str:
             direct = f"{o[key + '_direct_ms']:{spec}} | " if has_direct else ""
@@ -597,14 +628,21 @@ def render(summary: dict, meta: dict) -> str:
             row("wall time / tokens (TTFT included)", "per_token", ".1f", f"{o['wall_overhead']:+.1%}"),
             row("TTFT", "ttft", ".0f", f"{o['ttft_gateway_ms'] / o['ttft_inproc_ms'] - 1:+.0%}"),
             "",
-            "TPOT overhead per run: " + ", ".join(f"{r['tpot_overhead']:+.1%}" for r in o["runs"]),
+            "TPOT overhead per run: "
+            + ", ".join(f"{r['tpot_overhead']:+.1%}" for r in o["runs"])
+            + (
+                f" (spread {spread:.1f} points: differences smaller than that are not resolved on this machine)."
+                if len(per_run) > 1
+                else " (one run: no spread to judge the noise by)."
+            ),
         ]
         if has_direct:
             out += [
                 "",
-                f"Split of the TPOT overhead (medians): verifier <-> proposer in separate processes "
-                f"{o['tpot_split_overhead']:+.1%} (in-process engine -> client on the verifier), the gateway hop "
-                f"{o['tpot_gateway_hop_overhead']:+.1%} (client on the verifier -> client on the gateway).",
+                f"Where it comes from (medians of the per-run ratios, so they need not multiply to the total): "
+                f"verifier and proposer in separate processes {o['tpot_split_overhead']:+.1%} (in-process engine "
+                f"-> client on the verifier), the gateway hop {o['tpot_gateway_hop_overhead']:+.1%} (client on the "
+                "verifier -> client on the gateway). The three are measured interleaved, request by request.",
             ]
     out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
     out += [f"- {line}" for line in summary["checks"]]

@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -225,7 +226,8 @@ class Stack:
                 return
             for s in watch:
                 if not s.alive():
-                    self.fail(f"{s.name} exited (status {s.proc.returncode}) while waiting for {what}")
+                    code = s.proc.returncode if s.proc is not None else None
+                    self.fail(f"{s.name} exited (status {code}) while waiting for {what}")
             if time.monotonic() > deadline:
                 self.fail(f"timed out after {STARTUP_TIMEOUT_S:.0f} s waiting for {what} (last state: {last})")
             time.sleep(0.5)
@@ -352,7 +354,7 @@ def build_stack(
     return stack
 
 
-STACK_FIXTURES = {
+STACK_FIXTURES: dict[str, dict[str, Any]] = {
     "e2e_stack": dict(name="main"),
     "fault_stack": dict(name="fault", verifier_args=["--max-num-seqs", "3", "--max-waiting", "1"]),
     "orphan_gateway": dict(name="orphan", with_verifier=False),
