@@ -155,7 +155,9 @@ class Engine:
             params.validate(vocab)
         except ValueError as err:
             raise RequestError(str(err)) from err
-        if len(self.scheduler.waiting) >= self.config.max_waiting:
+        # Requests the next step will admit do not wait: only those beyond the free batch slots count.
+        free_slots = max(0, self.config.max_num_seqs - len(self.scheduler.running))
+        if len(self.scheduler.waiting) - free_slots >= self.config.max_waiting:
             raise QueueFullError(f"{self.config.max_waiting} requests are already waiting; retry later")
 
     # ---- the step -------------------------------------------------------------------------------

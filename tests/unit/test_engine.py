@@ -205,11 +205,16 @@ def test_invalid_requests_are_refused_clearly(target, prompt, params, message):
 
 
 def test_queue_full(target):
-    engine = engine_with(target, None, k=0, max_waiting=2)
+    engine = engine_with(target, None, k=0, max_num_seqs=1, max_waiting=1)
     engine.add_request("a", [1, 2], SamplingParams())
-    engine.add_request("b", [1, 2], SamplingParams())
+    engine.add_request("b", [1, 2], SamplingParams())  # a burst within one step: "a" takes the free slot
     with pytest.raises(QueueFullError):
         engine.add_request("c", [1, 2], SamplingParams())
+    engine.step()  # "a" runs, "b" waits
+    with pytest.raises(QueueFullError):
+        engine.add_request("c", [1, 2], SamplingParams())
+    engine.abort("a")
+    engine.add_request("c", [1, 2], SamplingParams())  # a slot is free again
 
 
 def test_cache_smaller_than_one_sequence_is_refused(target):
