@@ -24,27 +24,23 @@ _FUNC_AREA = '''def area(w, h):
     if x < 0:
         raise ValueError("negative area")
     return x'''
-
-_FUNC_MEAN = """def mean(values):
-    total = 0
+_FUNC_STATS = '''def summarize(values):
+    """Return the count, total, mean, smallest and largest of a list of numbers."""
     count = 0
-    for v in values:
-        total = total + v
+    total = 0
+    smallest = None
+    largest = None
+    for value in values:
         count = count + 1
+        total = total + value
+        if smallest is None or value < smallest:
+            smallest = value
+        if largest is None or value > largest:
+            largest = value
     if count == 0:
-        return 0
-    return total / count"""
-
-_FUNC_WORDS = """def count_words(text):
-    counts = {}
-    for word in text.split():
-        word = word.lower().strip(".,!?")
-        if word in counts:
-            counts[word] = counts[word] + 1
-        else:
-            counts[word] = 1
-    return counts"""
-
+        return {"count": 0, "total": 0, "mean": None, "smallest": None, "largest": None}
+    mean = total / count
+    return {"count": count, "total": total, "mean": mean, "smallest": smallest, "largest": largest}'''
 _FUNC_FIND = """def find_user(users, name):
     for user in users:
         if user["name"] == name:
@@ -55,8 +51,29 @@ _FUNC_FIND = """def find_user(users, name):
 def add_user(users, name, age):
     user = {"name": name, "age": age}
     users.append(user)
-    return user"""
+    return user
 
+
+def remove_user(users, name):
+    user = find_user(users, name)
+    if user is not None:
+        users.remove(user)
+    return user"""
+_FUNC_PARSE = """def parse_config(text):
+    config = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, value = line.split("=", 1)
+        key = key.strip()
+        value = value.strip()
+        if value.isdigit():
+            value = int(value)
+        elif value.lower() in ("true", "false"):
+            value = value.lower() == "true"
+        config[key] = value
+    return config"""
 _PASSAGE_BEES = (
     "Honey bees live in colonies of up to sixty thousand workers. Each worker has a job that changes with "
     "her age: young bees clean cells and feed larvae, middle-aged bees build comb and guard the entrance, "
@@ -65,7 +82,6 @@ _PASSAGE_BEES = (
     "of the food. The queen lays up to two thousand eggs a day, and the colony survives the winter by "
     "clustering together and eating the honey it stored in summer."
 )
-
 _PASSAGE_RAIL = (
     "The first public railway to use steam locomotives, the Stockton and Darlington Railway, opened in "
     "1825. Its engine, Locomotion No. 1, pulled a train of coal wagons and a passenger coach at about "
@@ -73,14 +89,22 @@ _PASSAGE_RAIL = (
     "line to run scheduled passenger trains entirely by steam. Railways spread quickly: by 1850 Britain had "
     "more than six thousand miles of track, and journeys that had taken days by coach took hours by train."
 )
-
+_PASSAGE_OCEAN = (
+    "The ocean covers about seventy-one percent of the Earth's surface and holds about ninety-seven percent "
+    "of its water. Sunlight reaches only the top two hundred metres, the sunlit zone, where almost all "
+    "marine plants and most fish live. Below it lies the twilight zone, down to about one thousand metres, "
+    "and then the midnight zone, where the only light comes from animals that make their own. The deepest "
+    "point, the Challenger Deep in the Mariana Trench, is almost eleven thousand metres below the surface."
+)
 QUOTING_PROMPTS: tuple[str, ...] = (
     f"Here is a function:\n\n{_FUNC_AREA}\n\nRename the variable x to result. Reply with the whole function.",
-    f"Here is a function:\n\n{_FUNC_MEAN}\n\nAdd type hints to it. Reply with the whole function.",
-    f"Here is a function:\n\n{_FUNC_WORDS}\n\nRename counts to frequencies. Reply with the whole function.",
-    f"Here is some code:\n\n{_FUNC_FIND}\n\nAdd type hints and a docstring to both functions. Reply with the code.",
+    f"Here is a function:\n\n{_FUNC_STATS}\n\nRename the variable total to running_sum. "
+    "Reply with the complete updated function.",
+    f"Here is some code:\n\n{_FUNC_FIND}\n\nAdd type hints to all three functions. Reply with the complete code.",
+    f"Here is a function:\n\n{_FUNC_PARSE}\n\nAdd a type hint for the argument and the return value. "
+    "Reply with the complete function.",
     f'Summarise this passage, quoting its key sentences word for word in quotes:\n\n"{_PASSAGE_BEES}"',
-    f'Summarise this passage, quoting its key sentences word for word in quotes:\n\n"{_PASSAGE_RAIL}"',
-    f"Here is a function:\n\n{_FUNC_MEAN}\n\nRename values to numbers and v to n. Reply with the whole function.",
+    f"Quote the following passage word for word, then say in one sentence what it is about:\n\n{_PASSAGE_RAIL}",
+    f"Repeat the following passage, then list its three main facts:\n\n{_PASSAGE_OCEAN}",
     f"Repeat the following passage, then list its three main facts:\n\n{_PASSAGE_BEES}",
 )

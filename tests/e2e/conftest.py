@@ -142,8 +142,9 @@ class Service:
         self.proc.wait(timeout=30)
 
     def terminate(self) -> None:
-        """Send SIGTERM (stop() then waits for the exit)."""
-        if self.alive():
+        """Send SIGTERM once (stop() then waits for the exit). Once only, as an orchestrator does: a second
+        one can land after the service's asyncio loop has closed and restored the default handler."""
+        if self.alive() and not self.terminated:
             self.terminated = True
             self.proc.send_signal(signal.SIGTERM)  # type: ignore[union-attr]
 
