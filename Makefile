@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPECDEC_CACHE_DIR ?= $(CURDIR)/.cache/specdec
 
-.PHONY: setup proto proto-check run test test-full bench lint clean
+.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean
 
 setup: $(STAMP)
 
@@ -33,8 +33,13 @@ test: $(STAMP)
 test-full: $(STAMP)
 	SPECDEC_FULL_MATRIX=1 $(PY) -m pytest
 
+# Engine in-process, then the same workloads through the gateway; each writes its section of docs/BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) -m specdec_bench.engine_bench
+	$(PY) -m specdec_bench.gateway_bench
+
+bench-tp: $(STAMP)
+	$(PY) -m specdec_bench.tp_bench
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
