@@ -592,9 +592,12 @@ malloc_trim), with all models already loaded: for the engine it includes buildin
 paged KV cache (target and, for the draft model, draft cache) and activations; for transformers it is
 its dynamic KV cache and activations. The default draft was distilled on CPU and agrees with the target
 only ~10-30 % of the time (shared/models/README.md), so the draft-model rows show a low-acceptance case, not
-what a good draft gives. The prediction uses the measured per-token acceptance a and the forward cost
-ratio c; it assumes a verification forward of k+1 tokens costs the same as a 1-token forward and ignores
-per-step overhead, the last column replaces that assumption with the measured v_k."""
+what a good draft gives. The (d) and (e) rows fix k (`EngineConfig(adaptive_k=False)`) so that the formula
+applies; (d') is the engine's default, which picks k per sequence (0 when it predicts no gain) from the
+sequence's acceptance and the measured draft cost. The prediction uses the measured per-token acceptance a
+and the forward cost ratio c; it assumes a verification forward of k+1 tokens costs the same as a 1-token
+forward (v_k = 1) and ignores per-step overhead; the last column uses the measured v_k instead. With 2 runs
+the median is the mean of the two."""
 
 
 def write_report(path: Path, section: str) -> None:
@@ -619,7 +622,12 @@ def _load_average() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 32 tokens")
-    parser.add_argument("--runs", type=int, default=None, help="repetitions, median reported (default 3; quick 1)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=None,
+        help="repetitions, median reported (default 2: ~25 min on 2 idle cores; quick 1)",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick 32)")
     parser.add_argument("--batch1-prompts", type=int, default=None, help="prompts per batch-1 run (default 1)")
     parser.add_argument("--hf-quoting", action="store_true", help="also run (a) on the quoting prompts")
@@ -631,7 +639,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     plan = Plan(
-        runs=args.runs or (1 if args.quick else 3),
+        runs=args.runs or (1 if args.quick else 2),
         max_tokens=args.max_tokens or (32 if args.quick else 128),
         batch1_prompts=args.batch1_prompts or 1,
         cost_reps=5 if args.quick else 8,
