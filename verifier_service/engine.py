@@ -171,9 +171,7 @@ class Engine:
         proposed = time.perf_counter()
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
         logits = self.runner.forward(items)  # per sequence [num_logits, vocab]
-        if drafts:
-            draft_positions = max(len(d.token_ids) for d in drafts.values())
-            self.scheduler.cost_ratio.update(proposed - start, draft_positions, time.perf_counter() - proposed)
+        self._measure_costs(batch, drafts, proposed - start, time.perf_counter() - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
         emitted = self._verify(sampling)
         self.stats.steps += 1
@@ -185,6 +183,14 @@ class Engine:
         for (s, draft, _), tokens in zip(sampling, emitted, strict=True):
             outputs.append(self._commit(s, draft, tokens))
         return outputs
+
+    def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
+        if drafts:
+            draft_positions = max(len(d.token_ids) for d in drafts.values())
+            self.scheduler.cost_ratio.update(propose_s, draft_positions, score_s)
+        if all(s.samples and s.num_feed == 1 for s in batch):  # prefill chunks would skew the per-token cost
+            query_tokens = len(batch) + sum(len(d.token_ids) for d in drafts.values())
+            self.scheduler.scoring_cost.update(query_tokens, score_s)
 
     def _propose(self, scheduled: list[ScheduledSeq]) -> dict[str, Draft]:
         if not scheduled or self.drafter is None:

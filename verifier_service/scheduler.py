@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shared.kv.block_manager import BlockManager
 from verifier_service.sequence import Sequence
-from verifier_service.spec_policy import CostRatio, best_draft_length
+from verifier_service.spec_policy import CostRatio, ScoringCost, best_draft_length
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.cost_ratio = CostRatio()  # measured by the engine
+        self.scoring_cost = ScoringCost()  # measured by the engine
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -90,7 +91,8 @@ class Scheduler:
         k_max = max(0, min(k_cap, remaining_output - 1, room - 1))
         if not self.config.adaptive_k or k_max == 0:
             return k_max
-        k = best_draft_length(seq.acceptance.alpha, k_max, self.cost_ratio.value)
+        cost = self.cost_ratio.value + self.scoring_cost.per_draft(len(self.running))
+        k = best_draft_length(seq.acceptance.alpha, k_max, cost)
         if k > 0:
             seq.acceptance.steps_at_zero = 0
             return k

@@ -102,36 +102,41 @@ def _unpad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [B, Qma
 
 
 class TorchPagedAttention:
-    """Gather each sequence's blocks, then scaled_dot_product_attention with an explicit mask."""
+    """Gather each sequence's blocks, then scaled_dot_product_attention with an explicit mask.
+
+    Grouped-query attention without copying keys: the `group` query heads that share a KV head are
+    stacked along the query axis, so one KV head serves `group * Qmax` query rows. Expanding K and V to
+    every query head instead (or SDPA's enable_gqa) costs a copy of the whole context per layer, which
+    on CPU was most of a batch-8 decode step."""
 
     name = "torch"
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        queries = _pad_queries(q, meta).transpose(1, 2)  # [B, H, Qmax, D]
-        group = q.shape[1] // k_cache.shape[2]  # query heads per KV head
+        batch, q_len = meta.num_seqs, meta.max_query_len
+        kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        group = q.shape[1] // kv_heads  # query heads per KV head
+        queries = _pad_queries(q, meta).view(batch, q_len, kv_heads, group, head_dim)
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * q_len, head_dim)
+        mask = meta.attn_mask if group == 1 else meta.attn_mask.repeat(1, 1, group, 1)  # [B, 1, group*Qmax, L]
         out = F.scaled_dot_product_attention(
             queries,
-            _gather(k_cache, meta.block_tables, group),  # [B, H, L, D]
-            _gather(v_cache, meta.block_tables, group),
-            attn_mask=meta.attn_mask,
+            _gather(k_cache, meta.block_tables),  # [B, kv_heads, L, D]
+            _gather(v_cache, meta.block_tables),
+            attn_mask=mask,
             scale=scale,
-        )  # [B, H, Qmax, D]
-        return _unpad(out.transpose(1, 2), meta)
+        )  # [B, kv_heads, group * Qmax, D]
+        out = out.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qmax, kv, group, D]
+        return _unpad(out.reshape(batch, q_len, kv_heads * group, head_dim), meta)
 
 
-def _gather(cache: torch.Tensor, block_tables: torch.Tensor, group: int) -> torch.Tensor:
-    """[num_blocks, block_size, kv_heads, D] -> [B, kv_heads * group, max_blocks * block_size, D].
+def _gather(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
+    """[num_blocks, block_size, kv_heads, D] -> [B, kv_heads, max_blocks * block_size, D].
 
-    index_select rather than cache[block_tables]: on CPU advanced indexing is ~100x slower here. KV heads
-    are expanded explicitly because SDPA's enable_gqa path is several times slower on CPU."""
+    index_select rather than cache[block_tables]: on CPU advanced indexing is ~100x slower here."""
     batch, max_blocks = block_tables.shape
     _, block_size, kv_heads, head_dim = cache.shape
     blocks = cache.index_select(0, block_tables.view(-1))  # [B * max_blocks, block_size, kv_heads, D]
-    kv = blocks.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)  # [B, kv_heads, L, D]
-    if group == 1:
-        return kv
-    length = max_blocks * block_size
-    return kv.unsqueeze(2).expand(batch, kv_heads, group, length, head_dim).reshape(batch, -1, length, head_dim)
+    return blocks.view(batch, max_blocks * block_size, kv_heads, head_dim).transpose(1, 2)
 
 
 class FlashPagedAttention:

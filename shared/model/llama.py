@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale, write_kv
 from shared.model.config import ModelArch
-from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel
+from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, linear
 from shared.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -127,7 +127,7 @@ class LlamaModel(torch.nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        return linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

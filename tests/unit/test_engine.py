@@ -279,6 +279,7 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
     # Pin the cost ratio: here the "draft" costs as much as the target, and wall time is noisy in tests.
     engine.scheduler.cost_ratio.update(0.3, 1, 1.0)
     engine.scheduler.cost_ratio.update = lambda *args: None
+    engine.scheduler.scoring_cost.update = lambda *args: None  # scoring taken as free (no samples)
     outs = run(engine, ps, params)
     for i, p in enumerate(ps):
         assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)

@@ -1,6 +1,12 @@
 import pytest
 
-from verifier_service.spec_policy import AcceptanceEstimate, CostRatio, best_draft_length, expected_speedup
+from verifier_service.spec_policy import (
+    AcceptanceEstimate,
+    CostRatio,
+    ScoringCost,
+    best_draft_length,
+    expected_speedup,
+)
 
 
 def test_expected_speedup_closed_form():
@@ -33,3 +39,46 @@ def test_cost_ratio_is_a_robust_median():
     for seconds in (0.03, 0.03, 5.0, 0.03):  # one prefill-heavy outlier
         c.update(seconds, 1, 0.1)
     assert c.value == pytest.approx(0.3)
+
+
+def test_scoring_cost_is_free_until_two_query_counts_are_seen():
+    cost = ScoringCost()
+    assert cost.per_draft(1) == 0.0
+    for _ in range(5):
+        cost.update(4, 0.2)
+    assert cost.per_draft(4) == 0.0  # one count: no slope to fit
+
+
+def test_scoring_cost_fits_base_plus_per_token():
+    cost = ScoringCost()
+    for n in (1, 2, 5, 8, 9):  # step time 80 ms + 20 ms per query token
+        for _ in range(3):
+            cost.update(n, 0.080 + 0.020 * n)
+    assert cost.per_draft(1) == pytest.approx(0.020 / 0.100)  # v_1 - 1 at batch 1
+    assert cost.per_draft(8) == pytest.approx(8 * 0.020 / 0.240)
+
+
+def test_scoring_cost_ignores_an_outlier_and_never_goes_negative():
+    cost = ScoringCost()
+    for n, seconds in ((1, 0.1), (1, 0.1), (1, 5.0), (5, 0.2), (5, 0.2)):
+        cost.update(n, seconds)
+    assert cost.per_draft(1) == pytest.approx(0.025 / 0.1)
+    falling = ScoringCost()
+    falling.update(1, 0.2)
+    falling.update(5, 0.1)
+    assert falling.per_draft(1) == 0.0
+
+
+def test_scoring_cost_forgets_the_least_recent_counts():
+    cost = ScoringCost(max_counts=2)
+    cost.update(1, 0.1)
+    cost.update(3, 0.3)  # 100 ms per token so far
+    cost.update(5, 0.34)  # evicts n = 1: the fit is through n = 3 and 5 only, 20 ms per token
+    assert cost.per_draft(1) == pytest.approx(0.02 / (0.24 + 0.02))
+
+
+def test_scoring_cost_switches_a_middling_draft_off():
+    """A draft accepted 30% of the time at 10% of the target's cost pays if scoring is free, not if
+    each scored token adds a quarter of a step (a CPU's v_1 = 1.25)."""
+    assert best_draft_length(0.3, 4, 0.1) > 0
+    assert best_draft_length(0.3, 4, 0.1 + 0.25) == 0
