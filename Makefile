@@ -50,3 +50,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+
+# Render every deploy/k8s overlay, validate it (kubernetes-validate --strict), yamllint, hadolint, checkov.
+.PHONY: k8s-validate
+k8s-validate: $(STAMP)
+	PYTHON=$(PY) PYTHON_SYS=$(PYTHON_SYS) scripts/k8s_validate.sh

@@ -4,6 +4,8 @@ A backend receives traffic while its last health check answered SERVING. A reque
 call fails with UNAVAILABLE marks the backend down at once (`mark_failed`); the next successful check
 brings it back. Each poll also reads Verifier.GetStats for the context length, the vocabulary size and
 the engine's queue (used by least-loaded routing); a failed stats poll alone does not mark a backend down.
+With `--verifier-dns` the set of backends follows DNS (gateway/discovery.py): pods that appear are added,
+pods that leave are retired (their channel closes once the gateway's requests on them have finished).
 """
 
 from __future__ import annotations
@@ -11,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.config import GatewayConfig
+from gateway.discovery import DnsDiscovery, Resolver, resolve_addresses
 from gateway.router import BackendLoad, Router
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
@@ -48,40 +51,84 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, config: GatewayConfig, router: Router | None = None) -> None:
+    """The verifiers: the fixed `--verifiers` list, or the pods `--verifier-dns` resolves to (kept current)."""
+
+    def __init__(self, config: GatewayConfig, router: Router | None = None, resolve: Resolver | None = None) -> None:
         self.config = config
-        self.router = router or Router.for_addresses(config.verifiers)
-        self.backends: dict[str, Backend] = {}
-        for address in config.verifiers:
-            channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
-            self.backends[address] = Backend(
-                load=self.router.backends[address],
-                channel=channel,
-                stub=verifier_pb2_grpc.VerifierStub(channel),
-                health=health_pb2_grpc.HealthStub(channel),
-            )
-        self._tasks: list[asyncio.Task[None]] = []
+        static = () if config.verifier_dns else config.verifiers
+        self.router = router or Router.for_addresses(static)
+        self.backends: dict[str, Backend] = {address: self._connect(address) for address in static}
+        self._tasks: dict[str, asyncio.Task[None]] = {}
         self._recheck: asyncio.Task[None] | None = None
+        # Backends that left the DNS answer while requests were still running on them: their channel stays
+        # open until those finish (a draining verifier pod completes them), then it is closed.
+        self._retiring: list[Backend] = []
+        self.discovery: DnsDiscovery | None = None
+        if config.verifier_dns:
+            self.discovery = DnsDiscovery(
+                config.verifier_dns, config.dns_refresh_interval_s, self.set_addresses, resolve or resolve_addresses
+            )
         # Called with the number of healthy backends whenever a backend goes up or down.
         self.on_change: Callable[[int], None] | None = None
+
+    def _connect(self, address: str) -> Backend:
+        channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
+        return Backend(
+            load=self.router.add(address),
+            channel=channel,
+            stub=verifier_pb2_grpc.VerifierStub(channel),
+            health=health_pb2_grpc.HealthStub(channel),
+        )
 
     async def start(self) -> None:
         """One round of checks right away (so a fresh gateway routes at once), then periodic ones."""
         await asyncio.gather(*(self.check(b) for b in self.backends.values()))
-        self._tasks = [asyncio.create_task(self._loop(b), name=f"health {b.address}") for b in self.backends.values()]
+        for backend in self.backends.values():
+            self._start_loop(backend)
+        if self.discovery is not None:
+            await self.discovery.start()
+
+    def _start_loop(self, backend: Backend) -> None:
+        self._tasks[backend.address] = asyncio.create_task(self._loop(backend), name=f"health {backend.address}")
+
+    async def set_addresses(self, addresses: Sequence[str]) -> None:
+        """Makes the backends exactly `addresses`: new ones are checked at once, gone ones stop taking requests."""
+        wanted = set(addresses)
+        healthy_before = self.healthy_count()
+        for address in [a for a in self.backends if a not in wanted]:
+            backend = self.backends.pop(address)
+            self.router.remove(address)
+            await _cancel(self._tasks.pop(address, None))
+            self._retiring.append(backend)
+            log.info("event=backend_removed backend=%s active_requests=%d", address, backend.load.active_requests)
+        if self.healthy_count() != healthy_before and self.on_change is not None:
+            self.on_change(self.healthy_count())  # (an added backend reports itself when its check passes)
+        added = [self._connect(a) for a in sorted(wanted - set(self.backends))]
+        for backend in added:
+            self.backends[backend.address] = backend
+            log.info("event=backend_added backend=%s", backend.address)
+        await asyncio.gather(*(self.check(b) for b in added))
+        for backend in added:
+            self._start_loop(backend)
+        await self._close_idle_retired()
+
+    async def _close_idle_retired(self) -> None:
+        idle = [b for b in self._retiring if b.load.active_requests == 0]
+        self._retiring = [b for b in self._retiring if b.load.active_requests > 0]
+        await asyncio.gather(*(b.channel.close() for b in idle))
 
     async def close(self) -> None:
-        for task in self._tasks:
+        if self.discovery is not None:
+            await self.discovery.close()
+        for task in self._tasks.values():
             task.cancel()
-        for task in self._tasks:
+        for task in self._tasks.values():
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        self._tasks = []
-        if self._recheck is not None:
-            self._recheck.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._recheck
-        await asyncio.gather(*(b.channel.close() for b in self.backends.values()))
+        self._tasks = {}
+        await _cancel(self._recheck)
+        channels = [b.channel for b in [*self.backends.values(), *self._retiring]]
+        await asyncio.gather(*(channel.close() for channel in channels))
 
     def __getitem__(self, address: str) -> Backend:
         return self.backends[address]
@@ -136,7 +183,9 @@ class BackendPool:
         return sum(b.load.healthy for b in self.backends.values())
 
     def mark_failed(self, address: str, reason: str) -> None:
-        self._set_healthy(self.backends[address], False, reason)
+        backend = self.backends.get(address)
+        if backend is not None:  # None: it left the DNS answer while the request ran there
+            self._set_healthy(backend, False, reason)
 
     def _set_healthy(self, backend: Backend, healthy: bool, reason: str = "") -> None:
         if backend.load.healthy != healthy:
@@ -148,3 +197,10 @@ class BackendPool:
         backend.load.healthy = healthy
         if changed and self.on_change is not None:
             self.on_change(self.healthy_count())
+
+
+async def _cancel(task: asyncio.Task[None] | None) -> None:
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

@@ -19,6 +19,16 @@ class GatewayConfig:
     verifiers: tuple[str, ...] = field(
         default=("127.0.0.1:50052",), metadata=_help("comma-separated verifier addresses HOST:PORT[,HOST:PORT...]")
     )
+    verifier_dns: str = field(
+        default="",
+        metadata=_help(
+            "discover the verifiers by DNS instead of --verifiers: NAME:PORT whose A/AAAA records are the verifier "
+            "pods (a Kubernetes headless Service), re-resolved every --dns-refresh-interval-s"
+        ),
+    )
+    dns_refresh_interval_s: float = field(
+        default=5.0, metadata=_help("seconds between DNS resolutions of --verifier-dns (CoreDNS's default TTL is 5)")
+    )
     tokenizer: str = field(
         default="", metadata=_help("tokenizer (HF folder, .gguf folder or hub id); empty: the default target model")
     )
@@ -54,6 +64,12 @@ class GatewayConfig:
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"verifier address {address!r} is not HOST:PORT")
+        if self.verifier_dns:
+            host, sep, port = self.verifier_dns.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+                raise ValueError(f"--verifier-dns {self.verifier_dns!r} is not NAME:PORT")
+        if self.dns_refresh_interval_s <= 0:
+            raise ValueError(f"dns_refresh_interval_s must be > 0, got {self.dns_refresh_interval_s}")
         if len(set(self.verifiers)) != len(self.verifiers):
             raise ValueError(f"verifier addresses repeat: {','.join(self.verifiers)}")
         if not 0 <= self.port <= 65535:

@@ -61,6 +61,14 @@ class Router:
     def for_addresses(cls, addresses: Sequence[str]) -> Router:
         return cls({a: BackendLoad(a) for a in addresses})
 
+    def add(self, address: str) -> BackendLoad:
+        """A new verifier (e.g. a pod that DNS now lists); unhealthy until its first health check."""
+        return self.backends.setdefault(address, BackendLoad(address))
+
+    def remove(self, address: str) -> None:
+        """A verifier that left: only the sessions whose first choice it was move (rendezvous hashing)."""
+        self.backends.pop(address, None)
+
     def healthy(self, exclude: Iterable[str] = ()) -> list[BackendLoad]:
         excluded = set(exclude)
         return [b for b in self.backends.values() if b.healthy and b.address not in excluded]

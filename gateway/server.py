@@ -117,7 +117,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> Running
     log.info(
         "event=serving port=%d verifiers=%s healthy_verifiers=%d",
         port,
-        ",".join(config.verifiers),
+        f"dns:{config.verifier_dns}" if config.verifier_dns else ",".join(config.verifiers),
         healthy,
     )
     return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness)

@@ -1,0 +1,310 @@
+"""The rendered deploy/k8s overlays agree with the code: ports, SPECDEC_* variables, health service names of
+the probes, console scripts, drain times, and the wiring between the services (Services, DNS, NetworkPolicies).
+
+Each overlay is rendered with the pinned `kubectl kustomize`; each service's configuration is then loaded
+by the service's own loader (shared/config.py) from exactly the variables its pod gets, so a renamed
+flag, a bad value or a wrong port fails here. Schema validation, yamllint, hadolint and checkov run in
+`make k8s-validate`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import tomllib
+from importlib import import_module
+from typing import Any
+
+import pytest
+
+from gateway.config import GatewayConfig
+from gateway.server import SERVICE_NAME as GATEWAY_SERVICE
+from proposer_service.config import ProposerConfig
+from proposer_service.server import SERVICE_NAME as PROPOSER_SERVICE
+from shared.config import env_name, load_config
+from shared.model.tp_group import TPGroup
+from tests.deploy.manifests import (
+    K8S,
+    OVERLAYS,
+    REPO,
+    SERVICES,
+    container,
+    container_env,
+    deployment,
+    grpc_probes,
+    named,
+    of_kind,
+    patched_environ,
+    pod_labels,
+    render,
+    selects,
+)
+from verifier_service.config import VerifierConfig
+from verifier_service.server import SERVICE_NAME as VERIFIER_SERVICE
+
+CONFIGS: dict[str, type] = {"gateway": GatewayConfig, "verifier": VerifierConfig, "proposer": ProposerConfig}
+HEALTH_SERVICES = {"gateway": GATEWAY_SERVICE, "verifier": VERIFIER_SERVICE, "proposer": PROPOSER_SERVICE}
+SCRIPTS = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+# SPECDEC_* variables read outside the config dataclasses (model locations and the weights cache).
+OTHER_SPECDEC_VARS = {
+    "SPECDEC_MODEL_DIR": "shared/settings.py",
+    "SPECDEC_TARGET_MODEL": "shared/settings.py",
+    "SPECDEC_DRAFT_MODEL": "shared/settings.py",
+    "SPECDEC_CACHE_DIR": "shared/model/loader.py",
+}
+# Shutdown beyond the configured drain: the servers' final stop (1 s at most) and, for the model services,
+# TPGroup.close (stop message, then waiting for the ranks: twice its timeout at worst).
+TP_CLOSE_S = 2 * inspect.signature(TPGroup.close).parameters["timeout_s"].default
+SERVER_STOP_S = 1.0
+MARGIN_S = 5.0
+
+CASES = [(o, s) for o in OVERLAYS for s in SERVICES]
+
+
+def service_config(docs: tuple[dict, ...], component: str) -> Any:
+    ctr = container(deployment(docs, component))
+    env = container_env(docs, ctr)
+    with patched_environ({k: v for k, v in env.items() if k.startswith("SPECDEC_")}):
+        return load_config(CONFIGS[component], ctr.get("args", []))
+
+
+def test_the_overlays_are_the_documented_ones():
+    assert OVERLAYS == ["cpu", "gpu", "gpu-tracing"]
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    for overlay in OVERLAYS:
+        assert f"overlays/{overlay}" in docs
+
+
+@pytest.mark.parametrize(("overlay", "component"), CASES)
+def test_command_is_the_services_console_script(overlay, component):
+    ctr = container(deployment(render(overlay), component))
+    (script,) = ctr["command"]
+    assert script == f"specdec-{component}"
+    module, func = SCRIPTS[script].split(":")
+    assert callable(getattr(import_module(module), func))
+
+
+@pytest.mark.parametrize(("overlay", "component"), CASES)
+def test_every_specdec_variable_is_one_the_service_reads(overlay, component):
+    docs = render(overlay)
+    env = container_env(docs, container(deployment(docs, component)))
+    fields = {env_name(f.name) for f in dataclasses.fields(CONFIGS[component])}
+    for path in set(OTHER_SPECDEC_VARS.values()):
+        source = (REPO / path).read_text()
+        assert all(var in source for var, p in OTHER_SPECDEC_VARS.items() if p == path)
+    unknown = {k for k in env if k.startswith("SPECDEC_")} - fields - set(OTHER_SPECDEC_VARS)
+    assert not unknown, f"{component} in {overlay}: variables no code reads: {sorted(unknown)}"
+    service_config(docs, component)  # and their values load (types, ranges, addresses)
+
+
+@pytest.mark.parametrize(("overlay", "component"), CASES)
+def test_ports_and_grpc_probes_match_the_server(overlay, component):
+    docs = render(overlay)
+    dep = deployment(docs, component)
+    ctr = container(dep)
+    config = service_config(docs, component)
+    (port,) = ctr["ports"]
+    assert port["name"] == "grpc" and port["containerPort"] == config.port
+    probes = dict(grpc_probes(ctr))
+    assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}
+    for probe in probes.values():
+        assert probe["grpc"]["port"] == config.port  # native gRPC probes (grpc.health.v1)
+    # Readiness asks for the service's own status (the gateway's means "a verifier is healthy"); liveness
+    # asks for the overall status "".
+    assert probes["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICES[component]
+    assert probes["livenessProbe"]["grpc"].get("service", "") == ""
+    services = [s for s in of_kind(docs, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels(dep))]
+    assert services, f"no Service selects the {component} pods"
+    for svc in services:
+        (svc_port,) = svc["spec"]["ports"]
+        assert svc_port["port"] == config.port and svc_port["targetPort"] == "grpc"
+
+
+@pytest.mark.parametrize(("overlay", "component"), CASES)
+def test_termination_grace_covers_the_services_drain(overlay, component):
+    docs = render(overlay)
+    spec = deployment(docs, component)["spec"]["template"]["spec"]
+    config = service_config(docs, component)
+    pre_stop = container(deployment(docs, component)).get("lifecycle", {}).get("preStop", {})
+    needed = pre_stop.get("sleep", {}).get("seconds", 0) + SERVER_STOP_S + MARGIN_S
+    if component == "gateway":
+        needed += config.drain_timeout_s
+    else:
+        needed += config.grace_period_s + TP_CLOSE_S
+    assert spec["terminationGracePeriodSeconds"] >= needed
+
+
+@pytest.mark.parametrize(("overlay", "component"), CASES)
+def test_pods_are_locked_down_and_have_writable_volumes_where_the_image_writes(overlay, component):
+    docs = render(overlay)
+    spec = deployment(docs, component)["spec"]["template"]["spec"]
+    ctr = container(deployment(docs, component))
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    assert spec["securityContext"]["runAsUser"] >= 10000
+    assert spec["securityContext"]["seccompProfile"]["type"] == "RuntimeDefault"
+    sc = ctr["securityContext"]
+    assert sc["readOnlyRootFilesystem"] is True and sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"] and "add" not in sc["capabilities"]
+    # No Kubernetes API access, and no service-link variables (SPECDEC_VERIFIER_PORT=tcp://...) in the
+    # SPECDEC_* namespace that shared/config.py reads.
+    assert spec["automountServiceAccountToken"] is False and spec["enableServiceLinks"] is False
+    sa = named(docs, "ServiceAccount", spec["serviceAccountName"])
+    assert sa["automountServiceAccountToken"] is False
+    for kind in ("requests", "limits"):
+        assert {"cpu", "memory"} <= set(ctr["resources"][kind])
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m for m in ctr["volumeMounts"]}
+    assert all(m["name"] in volumes for m in mounts.values())
+    # Where the image points HOME, the caches and the models (deploy/docker/Dockerfile ENV).
+    for path in ("/tmp", "/cache"):
+        assert path in mounts and not mounts[path].get("readOnly", False)
+    models = mounts["/models"]
+    assert models["readOnly"] is True
+    assert volumes[models["name"]]["persistentVolumeClaim"]["claimName"] == "specdec-models"
+    named(docs, "PersistentVolumeClaim", "specdec-models")
+    config = service_config(docs, component)
+    model = config.tokenizer if component == "gateway" else config.model
+    assert model.startswith("/models/"), "the model (or tokenizer) comes from the model volume"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_gateway_discovers_verifiers_through_the_headless_service(overlay):
+    docs = render(overlay)
+    gateway = service_config(docs, "gateway")
+    verifier = service_config(docs, "verifier")
+    proposer = service_config(docs, "proposer")
+    host, port = gateway.verifier_dns.rsplit(":", 1)
+    headless = named(docs, "Service", host)
+    assert headless["spec"]["clusterIP"] == "None" and not headless["spec"].get("publishNotReadyAddresses", False)
+    assert selects({"matchLabels": headless["spec"]["selector"]}, pod_labels(deployment(docs, "verifier")))
+    assert int(port) == verifier.port
+    assert gateway.health_service in ("", VERIFIER_SERVICE)
+    (proposer_address,) = verifier.proposer
+    host, port = proposer_address.rsplit(":", 1)
+    svc = named(docs, "Service", host)
+    assert selects({"matchLabels": svc["spec"]["selector"]}, pod_labels(deployment(docs, "proposer")))
+    assert int(port) == proposer.port
+
+
+def allowed_ingress(docs: tuple[dict, ...], labels: dict[str, str]) -> list[dict]:
+    """Every ingress rule of every NetworkPolicy that selects pods with `labels`."""
+    rules = []
+    for policy in of_kind(docs, "NetworkPolicy"):
+        if selects(policy["spec"]["podSelector"], labels) and "Ingress" in policy["spec"]["policyTypes"]:
+            rules.extend(policy["spec"].get("ingress", []))
+    return rules
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_network_policies_only_gateway_to_verifiers_only_verifiers_to_proposers(overlay):
+    docs = render(overlay)
+    deny = named(docs, "NetworkPolicy", "specdec-default-deny-ingress")["spec"]
+    assert deny["podSelector"] == {} and deny["policyTypes"] == ["Ingress"] and not deny.get("ingress")
+    pods = {c: pod_labels(deployment(docs, c)) for c in SERVICES}
+    for target, source in (("verifier", "gateway"), ("proposer", "verifier")):
+        port = service_config(docs, target).port
+        rules = allowed_ingress(docs, pods[target])
+        assert rules
+        for rule in rules:
+            assert [p["port"] for p in rule["ports"]] == [port]
+            assert rule.get("from"), f"{target}: a rule without `from` admits every pod"
+            for peer in rule["from"]:
+                assert set(peer) == {"podSelector"}  # same namespace, no ipBlock
+                admitted = [c for c, labels in pods.items() if selects(peer["podSelector"], labels)]
+                assert admitted == [source]
+    gateway_rules = allowed_ingress(docs, pods["gateway"])
+    assert [p["port"] for r in gateway_rules for p in r["ports"]] == [service_config(docs, "gateway").port]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_disruption_budgets_and_gateway_autoscaler(overlay):
+    docs = render(overlay)
+    for component in SERVICES:
+        labels = pod_labels(deployment(docs, component))
+        pdbs = [p for p in of_kind(docs, "PodDisruptionBudget") if selects(p["spec"]["selector"], labels)]
+        assert len(pdbs) == 1 and pdbs[0]["spec"]["maxUnavailable"] == 1
+    (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdec-gateway"}
+    assert "replicas" not in deployment(docs, "gateway")["spec"]  # the autoscaler owns the count
+    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    for doc in docs:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "specdec", doc["metadata"]["name"]
+
+
+def gpus(dep: dict) -> tuple[int, int]:
+    res = container(dep)["resources"]
+    return int(res["requests"].get("nvidia.com/gpu", 0)), int(res["limits"].get("nvidia.com/gpu", 0))
+
+
+@pytest.mark.parametrize("overlay", ["gpu", "gpu-tracing"])
+def test_gpu_overlay_pools_and_tensor_parallel_size(overlay):
+    docs = render(overlay)
+    verifier, proposer = deployment(docs, "verifier"), deployment(docs, "proposer")
+    tp = service_config(docs, "verifier").tensor_parallel_size
+    assert tp > 1 and gpus(verifier) == (tp, tp)  # one tensor-parallel rank per GPU, in one pod
+    proposer_tp = service_config(docs, "proposer").tensor_parallel_size
+    assert gpus(proposer) == (proposer_tp, proposer_tp)
+    pools = {c: deployment(docs, c)["spec"]["template"]["spec"]["nodeSelector"] for c in ("verifier", "proposer")}
+    assert pools == {"verifier": {"specdec.io/gpu-pool": "large"}, "proposer": {"specdec.io/gpu-pool": "small"}}
+    for dep in (verifier, proposer):
+        tolerations = dep["spec"]["template"]["spec"]["tolerations"]
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in tolerations
+        assert "/dev/shm" in {m["mountPath"] for m in container(dep)["volumeMounts"]}  # NCCL
+        assert service_config(docs, dep["metadata"]["name"].removeprefix("specdec-")).device == "cuda"
+    assert gpus(deployment(docs, "gateway")) == (0, 0)
+
+
+def test_cpu_overlay_asks_for_no_gpu():
+    docs = render("cpu")
+    for component in SERVICES:
+        assert gpus(deployment(docs, component)) == (0, 0)
+        assert "nodeSelector" not in deployment(docs, component)["spec"]["template"]["spec"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_service_has_opentelemetry_settings(overlay):
+    docs = render(overlay)
+    for component in SERVICES:
+        env = container_env(docs, container(deployment(docs, component)))
+        assert env["OTEL_SERVICE_NAME"] == f"specdec-{component}"
+        assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://specdec-otel-collector:4317"
+        assert "k8s.pod.name=$(POD_NAME)" in env["OTEL_RESOURCE_ATTRIBUTES"]
+        assert env["OTEL_TRACES_EXPORTER"] == ("otlp" if overlay == "gpu-tracing" else "none")
+
+
+def test_tracing_component_collector_and_jaeger_are_wired():
+    import yaml
+
+    docs = render("gpu-tracing")
+    collector = named(docs, "Service", "specdec-otel-collector")
+    assert {"name": "otlp-grpc", "port": 4317}.items() <= collector["spec"]["ports"][0].items()
+    dep = named(docs, "Deployment", "specdec-otel-collector")
+    assert selects({"matchLabels": collector["spec"]["selector"]}, pod_labels(dep))
+    (config_volume,) = dep["spec"]["template"]["spec"]["volumes"]
+    config_map = named(docs, "ConfigMap", config_volume["configMap"]["name"])
+    config = yaml.safe_load(config_map["data"]["collector.yaml"])
+    assert container(dep)["args"] == ["--config=/conf/collector.yaml"]
+    jaeger_host, jaeger_port = config["exporters"]["otlp/jaeger"]["endpoint"].split(":")
+    jaeger = named(docs, "Service", jaeger_host)
+    assert int(jaeger_port) in {p["port"] for p in jaeger["spec"]["ports"]}
+    assert config["service"]["pipelines"]["traces"]["exporters"] == ["otlp/jaeger"]
+    # Only the specdec services reach the collector's OTLP ports; only the collector reaches Jaeger's.
+    services = {c: pod_labels(deployment(docs, c)) for c in SERVICES}
+    for rule in allowed_ingress(docs, pod_labels(dep)):
+        if any(p["port"] == 4317 for p in rule["ports"]):
+            assert all(selects(peer["podSelector"], services[c]) for peer in rule["from"] for c in SERVICES)
+    jaeger_pods = pod_labels(named(docs, "Deployment", "specdec-jaeger"))
+    for rule in allowed_ingress(docs, jaeger_pods):
+        if any(p["port"] == 4317 for p in rule["ports"]):
+            assert [selects(peer["podSelector"], pod_labels(dep)) for peer in rule["from"]] == [True]
+
+
+def test_policy_skips_are_justified_in_the_docs():
+    import yaml
+
+    docs = (REPO / "docs" / "deploy.md").read_text()
+    skipped = yaml.safe_load((K8S / "checkov.yaml").read_text())["skip-check"]
+    ignored = yaml.safe_load((REPO / "deploy" / "docker" / "hadolint.yaml").read_text())["ignored"]
+    for check in [*skipped, *ignored]:
+        assert check in docs, f"{check} is skipped but not justified in docs/deploy.md"
