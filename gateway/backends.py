@@ -11,8 +11,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -48,12 +49,15 @@ class Backend:
 
 
 class BackendPool:
-    def __init__(self, config: GatewayConfig, router: Router | None = None) -> None:
+    def __init__(self, config: GatewayConfig, router: Router | None = None, interceptors: Sequence[Any] = ()) -> None:
+        """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on."""
         self.config = config
         self.router = router or Router.for_addresses(config.verifiers)
         self.backends: dict[str, Backend] = {}
         for address in config.verifiers:
-            channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
+            channel = grpc.aio.insecure_channel(
+                address, options=BACKEND_CHANNEL_OPTIONS, interceptors=list(interceptors) or None
+            )
             self.backends[address] = Backend(
                 load=self.router.backends[address],
                 channel=channel,
