@@ -28,6 +28,7 @@ from proposer_service.server import ProposerServer
 from shared.model.loader import build_model
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.telemetry import Telemetry, setup_telemetry
+from tests.service.test_gateway import free_port
 from tests.service.test_proposer_service import draft_info, make_drafter, tiny_llama
 from tests.service.test_verifier_service import vconfig
 from verifier_service.server import VerifierServer
@@ -189,3 +190,120 @@ def check_trace(stack: Stack, spans: list[ReadableSpan], responses: list[gateway
         assert a["specdec.proposer.network_seconds"] == pytest.approx(
             a["specdec.proposer.round_trip_seconds"] - a["specdec.proposer.draft_seconds"]
         )
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The Prometheus endpoint, parsed by prometheus_client's own parser: {(sample name, labels): value}."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as reply:
+        text = reply.read().decode()
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def test_metric_identities_after_a_mixed_workload(tokenizer):
+    async def scenario() -> None:
+        async with Stack(tokenizer, metrics_port=free_port()) as stack:
+            requests = [
+                dict(prompt_token_ids=[1, 2, 3, 4], max_tokens=16),  # greedy
+                dict(prompt_token_ids=[9, 8, 7], max_tokens=20, temperature=1.0, seed=1),
+                dict(prompt_token_ids=[5, 5, 5, 5, 5, 5], max_tokens=9, temperature=0.7, top_p=0.9, seed=2),
+                dict(prompt_token_ids=[3, 1, 4, 1, 5], max_tokens=12, max_draft_tokens=0),  # no speculation
+                dict(prompt_token_ids=[2, 7, 1, 8], max_tokens=1),
+            ]
+            results = await asyncio.gather(*(stack.generate(**r) for r in requests))
+            await cancelled_midway(stack)
+            await stack.wait_for_spans(["verifier.request"])
+            await wait_idle(stack)
+            check_metrics(stack, scrape(stack.telemetry["verifier"].metrics_port), results)
+
+    asyncio.run(scenario())
+
+
+async def cancelled_midway(stack: Stack) -> None:
+    call = stack.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[4, 4, 4], max_tokens=200), timeout=60)
+    async for _ in call:
+        break
+    call.cancel()
+
+
+async def wait_idle(stack: Stack) -> None:
+    loop = stack.verifier.loop
+    for _ in range(200):
+        if not loop.num_requests and not loop.engine.has_unfinished():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError("the verifier did not become idle")
+
+
+def check_metrics(stack: Stack, m: dict, results: list) -> None:
+    stats = stack.verifier.loop.engine.stats
+
+    def value(name: str, **labels: str) -> float:
+        return m[(name, tuple(sorted(labels.items())))]
+
+    drafted, accepted = value("specdec_drafted_tokens_total"), value("specdec_accepted_tokens_total")
+    emitted, seq_steps = value("specdec_emitted_tokens_total"), value("specdec_sequence_steps_total")
+    rounds = value("specdec_draft_rounds_total")
+    # The metrics are the engine's counters ...
+    assert (drafted, accepted, emitted) == (stats.drafted_tokens, stats.accepted_tokens, stats.emitted_tokens)
+    assert (seq_steps, rounds, value("specdec_engine_steps_total")) == (
+        stats.sequence_steps,
+        stats.draft_rounds,
+        stats.steps,
+    )
+    # ... and the identities hold.
+    assert 0 < accepted < drafted
+    assert emitted == accepted + seq_steps
+    assert value("specdec_mean_accepted_length") == pytest.approx(1 + accepted / rounds)
+    assert value("specdec_acceptance_rate") == pytest.approx(accepted / drafted)
+    k = stack.verifier.loop.engine.config.num_speculative_tokens
+    by_pos_drafted = [value("specdec_drafted_tokens_by_position_total", position=str(i)) for i in range(k)]
+    by_pos_accepted = [value("specdec_accepted_tokens_by_position_total", position=str(i)) for i in range(k)]
+    assert sum(by_pos_drafted) == drafted and sum(by_pos_accepted) == accepted
+    assert by_pos_drafted[0] == rounds  # every draft round drafts position 0
+    assert all(a <= d for a, d in zip(by_pos_accepted, by_pos_drafted, strict=True))
+    assert by_pos_accepted == sorted(by_pos_accepted, reverse=True)  # accepting position i needs i - 1
+    for i in range(k):
+        if by_pos_drafted[i]:
+            assert value("specdec_acceptance_rate_by_position", position=str(i)) == pytest.approx(
+                by_pos_accepted[i] / by_pos_drafted[i]
+            )
+    # Phases: one observation per step (network per remote round trip), latencies per request.
+    for phase in ("propose", "score", "verify"):
+        assert value("specdec_step_phase_duration_seconds_count", phase=phase) == stats.steps
+    assert 0 < value("specdec_step_phase_duration_seconds_count", phase="network") <= stats.steps
+    assert value("specdec_step_duration_seconds_count") == stats.steps
+    assert value("specdec_time_to_first_token_seconds_count") == len(results) + 1  # the cancelled one too
+    assert value("specdec_e2e_request_latency_seconds_count") == len(results)
+    assert value("specdec_inter_token_latency_seconds_count") > 0
+    # Gauges and state counters after the workload.
+    assert value("specdec_requests_running") == value("specdec_requests_waiting") == 0
+    assert value("specdec_kv_blocks_used") == 0
+    assert value("specdec_kv_blocks_free") == stack.verifier.loop.engine.blocks.num_blocks
+    assert value("specdec_requests_finished_total") == len(results)
+    assert value("specdec_requests_aborted_total") == 1
+    assert value("specdec_preemptions_total") == 0
+    assert value("specdec_proposer_fallback_steps_total") == 0
+    assert value("specdec_proposer_connected") == 1
+    # The gateway's view, through its OTLP-side reader (the same instruments).
+    gateway = points(stack.readers["gateway"])
+    assert gateway["specdec_gateway_completion_tokens"][()] == sum(r[-1].usage.completion_tokens for r in results)
+    assert gateway["specdec_gateway_requests"] == {(("code", "OK"),): len(results), (("code", "CANCELLED"),): 1}
+    assert gateway["specdec_gateway_time_to_first_token_seconds"][()] == len(results) + 1
+    assert points(stack.readers["proposer"])["specdec_proposer_draft_tokens"][()] == drafted
+
+
+def points(reader: InMemoryMetricReader) -> dict[str, dict[tuple, float]]:
+    """{metric: {labels: value}} (histograms: their count) from an in-memory reader."""
+    out: dict[str, dict[tuple, float]] = {}
+    data = reader.get_metrics_data()
+    for rm in data.resource_metrics if data else []:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                for p in metric.data.data_points:
+                    labels = tuple(sorted((p.attributes or {}).items()))
+                    out.setdefault(metric.name, {})[labels] = getattr(p, "count", None) or getattr(p, "value", 0)
+    return out
