@@ -50,3 +50,8 @@ lint: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+
+# Tracing overhead: engine tokens/s with telemetry off / metrics / traces exported by OTLP (docs/BENCHMARKS.md).
+.PHONY: bench-otel
+bench-otel: $(STAMP)
+	$(PY) -m specdec_bench.otel_bench

@@ -9,9 +9,12 @@ through an in-memory reader and the Prometheus endpoint.
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 import urllib.request
 from collections import Counter
 from collections.abc import Iterable
+from pathlib import Path
 
 import grpc
 import pytest
@@ -34,6 +37,7 @@ from tests.service.test_verifier_service import vconfig
 from verifier_service.server import VerifierServer
 
 pytestmark = pytest.mark.timeout(120)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)
@@ -49,18 +53,18 @@ def no_otel_environment(monkeypatch):
 class Stack:
     """Proposer + verifier + gateway, each with its own providers, all exporting to `spans`."""
 
-    def __init__(self, tokenizer, metrics_port: int = 0) -> None:
+    def __init__(self, tokenizer, prometheus: bool = False) -> None:
         self.tokenizer = tokenizer
         self.spans = InMemorySpanExporter()
         self.readers: dict[str, InMemoryMetricReader] = {}
-        self.metrics_port = metrics_port
+        self.prometheus = prometheus
         self.telemetry: dict[str, Telemetry] = {}
 
-    def _telemetry(self, service: str, metrics_port: int = 0) -> Telemetry:
+    def _telemetry(self, service: str) -> Telemetry:
         self.readers[service] = InMemoryMetricReader()
         t = setup_telemetry(
             f"specdec-{service}",
-            metrics_port=metrics_port,
+            metrics_port=free_port() if self.prometheus else 0,
             metrics_host="127.0.0.1",
             span_processors=[SimpleSpanProcessor(self.spans)],
             metric_readers=[self.readers[service]],
@@ -77,7 +81,7 @@ class Stack:
             vconfig([f"127.0.0.1:{self.proposer.port}"], num_speculative_tokens=4),
             target=(build_model(arch, state), arch),
             model_name="tiny",
-            telemetry=self._telemetry("verifier", self.metrics_port),
+            telemetry=self._telemetry("verifier"),
         )
         assert self.verifier.proposer is not None and await self.verifier.proposer.wait_connected(10)
         config = GatewayConfig(verifiers=(f"127.0.0.1:{self.verifier.port}",), host="127.0.0.1", port=0)
@@ -205,7 +209,7 @@ def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def test_metric_identities_after_a_mixed_workload(tokenizer):
     async def scenario() -> None:
-        async with Stack(tokenizer, metrics_port=free_port()) as stack:
+        async with Stack(tokenizer, prometheus=True) as stack:
             requests = [
                 dict(prompt_token_ids=[1, 2, 3, 4], max_tokens=16),  # greedy
                 dict(prompt_token_ids=[9, 8, 7], max_tokens=20, temperature=1.0, seed=1),
@@ -218,6 +222,7 @@ def test_metric_identities_after_a_mixed_workload(tokenizer):
             await stack.wait_for_spans(["verifier.request"])
             await wait_idle(stack)
             check_metrics(stack, scrape(stack.telemetry["verifier"].metrics_port), results)
+            check_dashboard({name for svc in stack.telemetry.values() for name, _ in scrape(svc.metrics_port)})
 
     asyncio.run(scenario())
 
@@ -307,3 +312,17 @@ def points(reader: InMemoryMetricReader) -> dict[str, dict[tuple, float]]:
                     labels = tuple(sorted((p.attributes or {}).items()))
                     out.setdefault(metric.name, {})[labels] = getattr(p, "count", None) or getattr(p, "value", 0)
     return out
+
+
+def check_dashboard(exposed: set[str]) -> None:
+    """Every metric the Grafana dashboard queries is one the services expose."""
+    dashboard = json.loads((ROOT / "deploy" / "grafana" / "specdec-dashboard.json").read_text())
+    queried = {
+        name.removesuffix("_bucket")
+        for panel in dashboard["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"specdec_[a-z_]+", target["expr"])
+    }
+    assert len(queried) > 20
+    exposed_bases = exposed | {n.removesuffix("_bucket") for n in exposed}
+    assert queried <= exposed_bases, queried - exposed_bases
