@@ -278,6 +278,8 @@ class VerifierTelemetry:
             self.proposer.last_round_trip = None
         if not self.tracing:
             return
+        if self._step is not None:  # the previous step raised before it finished: close its spans
+            self._abandon_step(self._step)
         with self._lock:
             leader = next((self._requests[s.seq.seq_id] for s in batch if s.seq.seq_id in self._requests), None)
         parent = trace.set_span_in_context(leader.span) if leader is not None else otel_context.Context()
@@ -290,6 +292,13 @@ class VerifierTelemetry:
         token = otel_context.attach(trace.set_span_in_context(propose_span, step_ctx))
         scheduled_k = {s.seq.seq_id: s.k for s in batch if s.samples}
         self._step = _StepInProgress(span, propose_span, token, scheduled_k, len(batch))
+
+    def _abandon_step(self, step: _StepInProgress) -> None:
+        self._step = None
+        for span in (step.propose_span, step.span):
+            if span.is_recording():
+                span.set_status(trace.Status(trace.StatusCode.ERROR, "the engine step failed"))
+                span.end()
 
     def propose_finished(self, proposed: float) -> None:
         step = self._step
