@@ -321,7 +321,7 @@ def check_dashboard(exposed: set[str]) -> None:
         name.removesuffix("_bucket")
         for panel in dashboard["panels"]
         for target in panel["targets"]
-        for name in re.findall(r"specdec_[a-z_]+", target["expr"])
+        for name in re.findall(r"specdec_[a-z0-9_]+", target["expr"])
     }
     assert len(queried) > 20
     exposed_bases = exposed | {n.removesuffix("_bucket") for n in exposed}
