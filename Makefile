@@ -55,3 +55,8 @@ clean:
 .PHONY: bench-otel
 bench-otel: $(STAMP)
 	$(PY) -m specdec_bench.otel_bench
+
+# Arize Phoenix (OTLP trace UI) in its own venv under .cache/phoenix; see docs/observability.md.
+.PHONY: phoenix
+phoenix:
+	scripts/phoenix.sh
