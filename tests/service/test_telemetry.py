@@ -219,12 +219,37 @@ def test_metric_identities_after_a_mixed_workload(tokenizer):
             ]
             results = await asyncio.gather(*(stack.generate(**r) for r in requests))
             await cancelled_midway(stack)
-            await stack.wait_for_spans(["verifier.request"])
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stack.generate(prompt_token_ids=[1, 500], max_tokens=4)  # outside the target's vocabulary
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             await wait_idle(stack)
+            for _ in range(100):  # the cancelled call's handler ends its span once gRPC has cancelled it
+                spans = list(stack.spans.get_finished_spans())
+                if len(by_name(spans, "verifier.request")) > len(requests):
+                    break
+                await asyncio.sleep(0.05)
+            check_error_spans(spans, len(requests))
             check_metrics(stack, scrape(stack.telemetry["verifier"].metrics_port), results)
             check_dashboard({name for svc in stack.telemetry.values() for name, _ in scrape(svc.metrics_port)})
 
     asyncio.run(scenario())
+
+
+def check_error_spans(spans: list[ReadableSpan], finished: int) -> None:
+    """Errors set the span status with the gRPC code: the cancelled request on both hops, the refused one at
+    the gateway (it never reached the verifier)."""
+    from opentelemetry.trace import StatusCode
+
+    def errors(name: str) -> list[str]:
+        return sorted(
+            s.status.description.split(":")[0] for s in by_name(spans, name) if s.status.status_code == StatusCode.ERROR
+        )
+
+    assert errors("gateway.request") == ["CANCELLED", "INVALID_ARGUMENT"]
+    assert errors("verifier.request") == ["CANCELLED"]
+    assert len(by_name(spans, "verifier.request")) == finished + 1
+    refused = next(s for s in by_name(spans, "gateway.request") if "INVALID_ARGUMENT" in (s.status.description or ""))
+    assert refused.attributes["rpc.grpc.status_code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 async def cancelled_midway(stack: Stack) -> None:
@@ -296,7 +321,11 @@ def check_metrics(stack: Stack, m: dict, results: list) -> None:
     # The gateway's view, through its OTLP-side reader (the same instruments).
     gateway = points(stack.readers["gateway"])
     assert gateway["specdec_gateway_completion_tokens"][()] == sum(r[-1].usage.completion_tokens for r in results)
-    assert gateway["specdec_gateway_requests"] == {(("code", "OK"),): len(results), (("code", "CANCELLED"),): 1}
+    assert gateway["specdec_gateway_requests"] == {
+        (("code", "OK"),): len(results),
+        (("code", "CANCELLED"),): 1,
+        (("code", "INVALID_ARGUMENT"),): 1,
+    }
     assert gateway["specdec_gateway_time_to_first_token_seconds"][()] == len(results) + 1
     assert points(stack.readers["proposer"])["specdec_proposer_draft_tokens"][()] == drafted
 
