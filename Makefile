@@ -55,3 +55,13 @@ clean:
 .PHONY: k8s-validate
 k8s-validate: $(STAMP)
 	PYTHON=$(PY) PYTHON_SYS=$(PYTHON_SYS) scripts/k8s_validate.sh
+
+# Tracing overhead: engine tokens/s with telemetry off / metrics / traces exported by OTLP (docs/BENCHMARKS.md).
+.PHONY: bench-otel
+bench-otel: $(STAMP)
+	$(PY) -m specdec_bench.otel_bench
+
+# Arize Phoenix (OTLP trace UI) in its own venv under .cache/phoenix; see docs/observability.md.
+.PHONY: phoenix
+phoenix:
+	scripts/phoenix.sh

@@ -15,6 +15,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -53,8 +54,16 @@ class Backend:
 class BackendPool:
     """The verifiers: the fixed `--verifiers` list, or the pods `--verifier-dns` resolves to (kept current)."""
 
-    def __init__(self, config: GatewayConfig, router: Router | None = None, resolve: Resolver | None = None) -> None:
+    def __init__(
+        self,
+        config: GatewayConfig,
+        router: Router | None = None,
+        resolve: Resolver | None = None,
+        interceptors: Sequence[Any] = (),
+    ) -> None:
+        """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on."""
         self.config = config
+        self.interceptors = list(interceptors) or None
         static = () if config.verifier_dns else config.verifiers
         self.router = router or Router.for_addresses(static)
         self.backends: dict[str, Backend] = {address: self._connect(address) for address in static}
@@ -72,7 +81,7 @@ class BackendPool:
         self.on_change: Callable[[int], None] | None = None
 
     def _connect(self, address: str) -> Backend:
-        channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS)
+        channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS, interceptors=self.interceptors)
         return Backend(
             load=self.router.add(address),
             channel=channel,

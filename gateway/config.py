@@ -55,6 +55,9 @@ class GatewayConfig:
     drain_timeout_s: float = field(
         default=10.0, metadata=_help("on SIGTERM: seconds running requests may finish before they are cancelled")
     )
+    metrics_port: int = field(
+        default=0, metadata=_help("Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables")
+    )
     log_level: str = field(default="INFO", metadata=_help("log level"))
 
     def __post_init__(self) -> None:
@@ -72,8 +75,8 @@ class GatewayConfig:
             raise ValueError(f"dns_refresh_interval_s must be > 0, got {self.dns_refresh_interval_s}")
         if len(set(self.verifiers)) != len(self.verifiers):
             raise ValueError(f"verifier addresses repeat: {','.join(self.verifiers)}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"port and metrics_port must be in [0, 65535], got {self.port}, {self.metrics_port}")
         for name in ("default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -33,6 +33,7 @@ from shared.grpc_server import (
     setup_logging,
 )
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
+from shared.telemetry import Telemetry, setup_telemetry
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RunningGateway:
     port: int
     config: GatewayConfig
     readiness: _Readiness
+    telemetry: Telemetry
 
     @property
     def address(self) -> str:
@@ -60,6 +62,7 @@ class RunningGateway:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
         await self.pool.close()
+        await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
 
 
 class _Readiness:
@@ -90,21 +93,27 @@ class _Readiness:
             await self._last
 
 
-async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> RunningGateway:
-    """Builds and starts a gateway (tests pass an already loaded tokenizer, and port 0)."""
+async def start_gateway(
+    config: GatewayConfig, tokenizer: Any = None, telemetry: Telemetry | None = None
+) -> RunningGateway:
+    """Builds and starts a gateway (tests pass an already loaded tokenizer, and port 0). `telemetry`:
+    default from the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
     if tokenizer is None:
         from shared.model.loader import load_tokenizer
 
         name = config.tokenizer_name()
         log.info("event=loading_tokenizer tokenizer=%s", name)
         tokenizer = await asyncio.to_thread(load_tokenizer, name)
-    pool = BackendPool(config)
-    servicer = GatewayServicer(Frontend(tokenizer, config), pool)
-    server = new_server()
+    if telemetry is None:
+        telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
+    pool = BackendPool(config, interceptors=telemetry.client_interceptors())
+    servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry)
+    server = new_server(telemetry.server_interceptors())
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
+        telemetry.shutdown()
         raise OSError(f"could not listen on {config.host}:{config.port}")
     readiness = _Readiness(health_servicer)
     pool.on_change = readiness.update
@@ -120,7 +129,7 @@ async def start_gateway(config: GatewayConfig, tokenizer: Any = None) -> Running
         f"dns:{config.verifier_dns}" if config.verifier_dns else ",".join(config.verifiers),
         healthy,
     )
-    return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness)
+    return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness, telemetry)
 
 
 async def serve(config: GatewayConfig) -> None:

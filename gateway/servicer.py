@@ -29,6 +29,7 @@ import grpc
 
 from gateway.backends import BackendPool
 from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
+from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from shared.errors import InvalidRequestError, SpecdecError, UnavailableError, grpc_status_for
 from shared.proto_gen.specdec.v1 import (
     common_pb2,
@@ -36,6 +37,7 @@ from shared.proto_gen.specdec.v1 import (
     gateway_pb2_grpc,
     verifier_pb2,
 )
+from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -103,16 +105,20 @@ class _Segment:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, frontend: Frontend, pool: BackendPool) -> None:
+    def __init__(self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None) -> None:
         self.frontend = frontend
         self.pool = pool
         self.router = pool.router
         self.config = frontend.config
         self.counters = GatewayCounters()
+        self.telemetry = GatewayTelemetry(telemetry or Telemetry("specdec-gateway"), self.counters)
 
     # -- RPCs --------------------------------------------------------------------------------------
 
-    async def Generate(self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext) -> None:  # type: ignore[override]
+    async def Generate(  # type: ignore[override]
+        self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[gateway_pb2.GenerateResponse, None]:
+        # An async generator (not context.write): the tracing interceptor wraps streaming handlers as such.
         fields = RequestFields.from_proto(request)
         try:
             async with contextlib.aclosing(self._generate(fields, context)) as parts:
@@ -122,7 +128,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     )
                     if final is not None:
                         _set_final(response, final)
-                    await context.write(response)
+                    yield response
         except (SpecdecError, VerifierError) as err:
             await _abort(context, err)
 
@@ -176,6 +182,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not fields.request_id:
             fields = dataclasses.replace(fields, request_id=uuid.uuid4().hex)
         request_id = fields.request_id
+        traced = self.telemetry.request_started(request_id, fields.session_id)
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
             prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
@@ -191,6 +198,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     # Only reachable after a resume: nothing left to generate (see _finished_before_call).
                     tail = out.finish()
                     final.usage = self._usage(prepared, out.token_ids, acct)
+                    self.telemetry.finished(
+                        traced, final.usage, common_pb2.FinishReason.Name(final.finish_reason), resumes
+                    )
                     yield request_id, tail, final
                     break
                 try:
@@ -203,13 +213,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     prepared = self.frontend.check_context(prepared, backend.max_model_len)
                     out.max_tokens = prepared.max_tokens
                 segment = _Segment(calls=live_calls)
-                stream = self._call_verifier(prepared, out, backend.address, segment, context)
+                stream = self._call_verifier(prepared, out, backend.address, segment, context, traced)
                 try:
                     async with contextlib.aclosing(stream):
                         async for chunk, final in stream:
+                            self.telemetry.chunk(traced, len(chunk.token_ids))
                             if final is not None:
                                 acct.add_segment(segment.usage, segment.steps)
                                 final.usage = self._usage(prepared, out.token_ids, acct)
+                                reason = common_pb2.FinishReason.Name(final.finish_reason)
+                                self.telemetry.finished(traced, final.usage, reason, resumes)
                             yield request_id, chunk, final
                 except _VerifierFailed as err:
                     acct.add_segment(segment.usage, segment.steps)
@@ -221,6 +234,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         ) from None
                     resumes += 1
                     self.counters.resumed_requests += 1
+                    self.telemetry.event(traced, "resume", {"specdec.failed_backend": backend.address})
                     # A seeded request that resumes stays exact in distribution, but it is not
                     # bit-reproducible: the new verifier seeds a fresh generator for the continuation
                     # instead of continuing the old one's random stream.
@@ -250,8 +264,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         except (SpecdecError, VerifierError) as err:
             level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
             log.log(level, "event=rejected request_id=%s error=%r", request_id, str(err))
+            self.telemetry.failed(traced, *_status_of(err))
             raise
         finally:
+            self.telemetry.failed(traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
             self.counters.active_requests -= 1
             for call in live_calls:
                 call.cancel()
@@ -278,6 +294,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         address: str,
         segment: _Segment,
         context: grpc.aio.ServicerContext,
+        traced: GatewayRequestTrace,
     ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
         backend = self.pool[address]
         emitted = list(out.token_ids)
@@ -298,11 +315,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             max_draft_tokens=prepared.max_draft_tokens,
         )
         timeout = context.time_remaining()
-        call = backend.stub.Generate(request, timeout=timeout)
+        with self.telemetry.current(traced):  # the call's client span and metadata carry the request's trace
+            call = backend.stub.Generate(request, timeout=timeout)
         segment.calls.append(call)
         backend.load.active_requests += 1
+        last: tuple[Chunk, Final] | None = None
         try:
             async for msg in call:
+                if last is not None:
+                    continue  # nothing follows the final message; reading on to the end completes the call
                 if msg.token_ids:
                     segment.steps += 1
                 if msg.HasField("usage"):
@@ -318,10 +339,15 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     continue
                 if reason == FINISH_UNSPECIFIED:  # max_tokens reached, the verifier sent more: cut and stop
                     call.cancel()
-                    reason = FINISH_LENGTH
-                yield self._last_chunk(chunk, out, reason, msg)
-                return
+                    yield self._last_chunk(chunk, out, FINISH_LENGTH, msg)
+                    return
+                # The status follows the last message at once. Reading it ends the call (and its client
+                # span, which the tracing interceptor closes when the response stream is exhausted).
+                last = self._last_chunk(chunk, out, reason, msg)
         except grpc.aio.AioRpcError as err:
+            if last is not None:  # the request was complete before the call failed
+                yield last
+                return
             code = err.code()
             if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not context.done()):
                 raise _VerifierFailed(f"verifier {address}: {code.name}: {err.details()}") from None
@@ -331,6 +357,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             if not call.done():
                 call.cancel()
             segment.calls.remove(call)
+        if last is not None:
+            yield last
+            return
         # The stream ended without a finish reason: a broken verifier; resume elsewhere.
         raise _VerifierFailed(f"verifier {address} ended the stream without a finish reason")
 
@@ -369,9 +398,11 @@ def _set_final(response: Any, final: Final) -> None:
         response.stop_token_id = final.stop_token_id
 
 
-async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
+def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
     if isinstance(err, VerifierError):
-        code, message = err.code, err.details  # the verifier's status, unchanged
-    else:
-        code, message = grpc_status_for(err)
-    await context.abort(code, message)
+        return err.code, err.details  # the verifier's status, unchanged
+    return grpc_status_for(err)
+
+
+async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
+    await context.abort(*_status_of(err))

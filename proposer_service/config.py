@@ -46,6 +46,9 @@ class ProposerConfig:
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     grace_period_s: float = field(default=5.0, metadata={"help": "on SIGTERM, seconds to let open streams finish"})
+    metrics_port: int = field(
+        default=0, metadata={"help": "Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables"}
+    )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
@@ -55,8 +58,8 @@ class ProposerConfig:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size > 1 and self.kind != "draft-model":
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --kind draft-model")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
         for name in ("max_k", "max_num_seqs", "max_model_len", "block_size", "draft_top_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

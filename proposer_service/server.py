@@ -25,12 +25,14 @@ import grpc
 
 from proposer_service.config import ProposerConfig
 from proposer_service.drafter import Draft, Drafter, DraftRequest
+from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
 from shared.model.tp_group import TPModelRunner
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.telemetry import Telemetry, setup_telemetry
 
 log = logging.getLogger("specdec.proposer")
 
@@ -121,9 +123,10 @@ class _StreamState:
 
 
 class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
-    def __init__(self, drafter: Drafter, info: ProposerInfo) -> None:
+    def __init__(self, drafter: Drafter, info: ProposerInfo, telemetry: Telemetry | None = None) -> None:
         self.drafter = drafter
         self.info = info
+        self.telemetry = ProposerTelemetry(telemetry or Telemetry("specdec-proposer"), self)
         self._drafter_lock = threading.Lock()  # the drafter is not thread-safe; held by worker threads only
         self._stream_numbers = itertools.count(1)
         self._pending_release: list[str] = []
@@ -177,6 +180,17 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             return False
 
     async def _answer(self, request: proposer_pb2.ProposeRequest, stream: _StreamState) -> proposer_pb2.ProposeResponse:
+        started = self.telemetry.message_started(request)
+        response = None
+        try:
+            response = await self._draft_message(request, stream)
+        finally:
+            self.telemetry.message_finished(started, response)
+        return response
+
+    async def _draft_message(
+        self, request: proposer_pb2.ProposeRequest, stream: _StreamState
+    ) -> proposer_pb2.ProposeResponse:
         self.messages += 1
         ids = [seq.seq_id for seq in request.sequences]
         if "" in ids or len(set(ids)) != len(ids):
@@ -363,16 +377,24 @@ class ProposerServer:
         self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
         self.failure_reason: str | None = None
         self._failing: asyncio.Task | None = None
+        self.telemetry = Telemetry("specdec-proposer")
 
     @classmethod
     async def start(
-        cls, config: ProposerConfig, drafter: Drafter | None = None, info: ProposerInfo | None = None
+        cls,
+        config: ProposerConfig,
+        drafter: Drafter | None = None,
+        info: ProposerInfo | None = None,
+        telemetry: Telemetry | None = None,
     ) -> ProposerServer:
+        """`telemetry`: default from the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
         if drafter is None or info is None:
             drafter, info = await asyncio.to_thread(build_drafter, config)
         assert drafter is not None and info is not None
-        servicer = ProposerServicer(drafter, info)
-        server = new_server()
+        if telemetry is None:
+            telemetry = setup_telemetry("specdec-proposer", metrics_port=config.metrics_port, metrics_host=config.host)
+        servicer = ProposerServicer(drafter, info, telemetry)
+        server = new_server(telemetry.server_interceptors())
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = server.add_insecure_port(f"{config.host}:{config.port}")
@@ -380,6 +402,7 @@ class ProposerServer:
         if not port:
             if tp_runner is not None:
                 await asyncio.to_thread(tp_runner.close)
+            telemetry.shutdown()
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
@@ -392,6 +415,7 @@ class ProposerServer:
             config.tensor_parallel_size,
         )
         instance = cls(server, servicer, health, port)
+        instance.telemetry = telemetry
         if tp_runner is not None:
             aio_loop = asyncio.get_running_loop()
 
@@ -435,6 +459,7 @@ class ProposerServer:
         await self.server.stop(0.5)
         if self.tp_runner is not None:
             await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
+        await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
         log.info("proposer stopped")
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -25,8 +25,9 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.min_ping_interval_without_data_
 log = logging.getLogger(__name__)
 
 
-def new_server() -> grpc.aio.Server:
-    return grpc.aio.server(options=SERVER_OPTIONS)
+def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+    """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on."""
+    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
 
 
 def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:

@@ -66,13 +66,16 @@ class VerifierConfig:
         default=20.0,
         metadata={"help": "on SIGTERM, seconds to let running requests finish before they are aborted"},
     )
+    metrics_port: int = field(
+        default=0, metadata={"help": "Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables"}
+    )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if not 0 <= self.port <= 65535:
-            raise ValueError(f"--port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
         if self.num_speculative_tokens < 0:
             raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
         for name in (

@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -59,6 +60,19 @@ class EngineStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+class StepObserver(Protocol):
+    """Sees each step: its batch, then the end of the propose phase, then its outputs and phase times
+    (time.perf_counter values: start, end of propose, end of score, end of verify)."""
+
+    def step_started(self, batch: list[ScheduledSeq]) -> None: ...
+
+    def propose_finished(self, proposed: float) -> None: ...
+
+    def step_finished(
+        self, outputs: list[RequestOutput], start: float, proposed: float, scored: float, verified: float
+    ) -> None: ...
 
 
 @dataclass
@@ -112,6 +126,8 @@ class Engine:
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
+        # Telemetry hooks (verifier_service/telemetry.py), called from step(); None costs nothing.
+        self.observer: StepObserver | None = None
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -166,14 +182,21 @@ class Engine:
         batch = self.scheduler.schedule()
         if not batch:
             return []
+        observer = self.observer
+        if observer is not None:
+            observer.step_started(batch)
         start = time.perf_counter()
         drafts = self._propose([s for s in batch if s.samples and s.k > 0])
         proposed = time.perf_counter()
+        if observer is not None:
+            observer.propose_finished(proposed)
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
         logits = self.runner.forward(items)  # per sequence [num_logits, vocab]
-        self._measure_costs(batch, drafts, proposed - start, time.perf_counter() - proposed)
+        scored = time.perf_counter()
+        self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
         emitted = self._verify(sampling)
+        verified = time.perf_counter()
         self.stats.steps += 1
         outputs = []
         for s in batch:
@@ -182,6 +205,8 @@ class Engine:
                 self._rollback_blocks(s.seq)
         for (s, draft, _), tokens in zip(sampling, emitted, strict=True):
             outputs.append(self._commit(s, draft, tokens))
+        if observer is not None:
+            observer.step_finished(outputs, start, proposed, scored, verified)
         return outputs
 
     def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):

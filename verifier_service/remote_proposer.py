@@ -18,6 +18,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import grpc
 import torch
@@ -26,6 +27,7 @@ from proposer_service.drafter import Draft, DraftRequest, SparseProbs
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.telemetry import inject_context
 
 log = logging.getLogger("specdec.verifier.proposer")
 
@@ -83,6 +85,19 @@ def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
     return Draft(msg.seq_id, msg.committed_len, token_ids, SparseProbs(ids, probs), msg.needs_resync)
 
 
+@dataclass(frozen=True)
+class RoundTrip:
+    """The last propose call as the verifier saw it (read by telemetry after the propose phase)."""
+
+    seconds: float  # send to answer, as measured by the verifier
+    draft_seconds: float  # what the proposer reports it spent on the message (0: unknown)
+    fallback: bool  # answered without the proposer: k = 0 for this step
+
+    @property
+    def network_seconds(self) -> float:
+        return max(0.0, self.seconds - self.draft_seconds) if not self.fallback else 0.0
+
+
 class RemoteProposer:
     """Drafter protocol over gRPC. Create and `start()` on the event loop that serves; call `propose` and
     `release` from any other thread (the engine's worker thread)."""
@@ -113,6 +128,7 @@ class RemoteProposer:
         self.errors = 0
         self.invalid_drafts = 0
         self.connections = 0
+        self.last_round_trip: RoundTrip | None = None
         self._connected = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
@@ -253,9 +269,12 @@ class RemoteProposer:
         if threading.get_ident() == self._loop_thread:
             raise RuntimeError("RemoteProposer.propose must not run on the event loop thread (it would deadlock)")
         message = self._build_request(requests)
+        inject_context(message.trace_context)  # type: ignore[arg-type]
+        sent = time.perf_counter()
         future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
         try:
             response = future.result(self.timeout_s)
+            self.last_round_trip = RoundTrip(time.perf_counter() - sent, response.draft_time_us / 1e6, False)
         except concurrent.futures.TimeoutError:
             future.cancel()
             self.timeouts += 1
@@ -279,6 +298,7 @@ class RemoteProposer:
     def _fallback(self, requests: list[DraftRequest]) -> list[Draft]:
         """No drafts this step; the proposer's view of each sequence is unknown, so resend it in full."""
         self.fallback_steps += 1
+        self.last_round_trip = RoundTrip(0.0, 0.0, True)
         return [Draft(r.seq_id, r.committed_len, [], needs_resync=True) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:

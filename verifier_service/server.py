@@ -25,10 +25,12 @@ from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.telemetry import Telemetry, setup_telemetry
 from verifier_service.config import VerifierConfig
 from verifier_service.engine_loop import EngineLoop, StatsSnapshot, Update
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
+from verifier_service.telemetry import VerifierTelemetry
 
 log = logging.getLogger("specdec.verifier")
 
@@ -135,8 +137,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         vocab_size: int,
         default_max_tokens: int,
         tensor_parallel_size: int = 1,
+        telemetry: VerifierTelemetry | None = None,
     ) -> None:
         self.loop = loop
+        self.telemetry = telemetry or VerifierTelemetry(Telemetry("specdec-verifier"), loop.engine, None, loop)
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -148,6 +152,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     ) -> AsyncIterator[verifier_pb2.VerifierGenerateResponse]:
         request_id = request.request_id or f"verifier-{uuid.uuid4().hex[:16]}"
         started = time.monotonic()
+        traced = self.telemetry.request_started(request_id, request.session_id, len(request.prompt_token_ids))
         try:
             prompt, params, max_draft = request_to_domain(
                 request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
@@ -155,9 +160,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             updates = self.loop.generate(request_id, prompt, params, max_draft)
             async with contextlib.aclosing(updates):
                 async for update in updates:
+                    self.telemetry.request_update(traced, len(update.token_ids))
                     yield update_to_proto(update)
                     if update.finished:
                         u = update.usage
+                        self.telemetry.request_finished(traced, u, update.finish_reason)
                         log.info(
                             "request finished request_id=%s reason=%s prompt_tokens=%d completion_tokens=%d "
                             "drafted=%d accepted=%d steps=%d seconds=%.3f",
@@ -173,11 +180,15 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         except (SpecdecError, TimeoutError) as err:
             code, message = grpc_status_for(err)
             log.info("request rejected request_id=%s code=%s message=%s", request_id, code.name, message)
+            self.telemetry.request_failed(traced, code, message)
             await context.abort(code, message)
         except Exception as err:  # an engine failure: INTERNAL, the other requests go on
             code, message = grpc_status_for(err)
             log.error("request failed request_id=%s message=%s", request_id, message)
+            self.telemetry.request_failed(traced, code, message)
             await context.abort(code, message)
+        finally:  # cancelled by the client (or ended above): no-op when already ended
+            self.telemetry.request_cancelled(traced)
 
     async def GetStats(
         self, request: verifier_pb2.VerifierGetStatsRequest, context: grpc.aio.ServicerContext
@@ -217,6 +228,7 @@ class VerifierServer:
         self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
         self.failure_reason: str | None = None
         self._failing: asyncio.Task | None = None
+        self.telemetry = Telemetry("specdec-verifier")
 
     @classmethod
     async def start(
@@ -225,11 +237,13 @@ class VerifierServer:
         target: tuple[LlamaModel, ModelArch] | None = None,
         model_name: str | None = None,
         tokenizer_fingerprint: str | None = None,
+        telemetry: Telemetry | None = None,
     ) -> VerifierServer:
         """Load the target (unless given), connect the proposer(s), build the engine and serve.
 
         At --tensor-parallel-size N > 1 the target is loaded from `config.model` by N ranks (this process
-        is rank 0; see shared/model/tp_group.py), so `target` must not be given."""
+        is rank 0; see shared/model/tp_group.py), so `target` must not be given. `telemetry`: default from
+        the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
         import torch
 
         from proposer_service.server import resolve_device
@@ -294,6 +308,9 @@ class VerifierServer:
             assert target is not None
             engine = build_engine(target, proposer, engine_config, cache)
         loop = EngineLoop(engine, proposer)
+        if telemetry is None:
+            telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
+        observer = VerifierTelemetry(telemetry, engine, proposer, loop)
         await loop.start()
         servicer = VerifierServicer(
             loop,
@@ -302,14 +319,16 @@ class VerifierServer:
             vocab_size=arch.vocab_size,
             default_max_tokens=config.default_max_tokens,
             tensor_parallel_size=config.tensor_parallel_size,
+            telemetry=observer,
         )
-        server = new_server()
+        server = new_server(telemetry.server_interceptors())
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = server.add_insecure_port(f"{config.host}:{config.port}")
         if not port:
             if isinstance(engine.runner, TPModelRunner):
                 await asyncio.to_thread(engine.runner.close)
+            telemetry.shutdown()
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
@@ -327,6 +346,7 @@ class VerifierServer:
             tp_size,
         )
         instance = cls(config, server, servicer, health, port, loop, proposer)
+        instance.telemetry = telemetry
         if isinstance(engine.runner, TPModelRunner):
             aio_loop = asyncio.get_running_loop()
 
@@ -382,6 +402,7 @@ class VerifierServer:
             await self.proposer.close()
         if self.tp_runner is not None:
             await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
+        await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
         log.info("verifier stopped")
 
 

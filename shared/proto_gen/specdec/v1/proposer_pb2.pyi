@@ -18,14 +18,23 @@ PROPOSER_KIND_DRAFT_MODEL: ProposerKind
 PROPOSER_KIND_NGRAM: ProposerKind
 
 class ProposeRequest(_message.Message):
-    __slots__ = ("step_id", "sequences", "release_seq_ids")
+    __slots__ = ("step_id", "sequences", "release_seq_ids", "trace_context")
+    class TraceContextEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     RELEASE_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sequences: _containers.RepeatedCompositeFieldContainer[ProposeSequence]
     release_seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    trace_context: _containers.ScalarMap[str, str]
+    def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
     __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params")
@@ -44,12 +53,14 @@ class ProposeSequence(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("step_id", "drafts")
+    __slots__ = ("step_id", "drafts", "draft_time_us")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TIME_US_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     drafts: _containers.RepeatedCompositeFieldContainer[Draft]
-    def __init__(self, step_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ...) -> None: ...
+    draft_time_us: int
+    def __init__(self, step_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., draft_time_us: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
     __slots__ = ("seq_id", "committed_len", "draft_token_ids", "draft_prob_token_ids", "draft_probs", "draft_prob_counts", "needs_resync")

@@ -1,0 +1,131 @@
+"""The gateway's traces and metrics.
+
+`gateway.request` is the public request's span (child of the gRPC server span, parent of the gRPC
+client span of each verifier call, so the verifier's spans join the same trace); after a resume it
+holds one verifier call per segment. Latency metrics are the client's view: time to first streamed
+token, inter-token latency, end to end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from shared.telemetry import REQUEST_BUCKETS_S, STEP_BUCKETS_S, Telemetry, set_error
+
+
+@dataclass
+class GatewayRequestTrace:
+    span: trace.Span
+    started: float
+    last_chunk: float | None = None
+    ended: bool = False
+
+
+class GatewayTelemetry:
+    def __init__(self, telemetry: Telemetry, counters: Any) -> None:
+        self.tracer = telemetry.tracer("specdec.gateway")
+        meter = telemetry.meter("specdec.gateway")
+
+        def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], list[Observation]]:
+            return lambda _options: [Observation(read())]
+
+        meter.create_observable_gauge(
+            "specdec_gateway_requests_active",
+            [observe(lambda: counters.active_requests)],
+            unit="{request}",
+            description="requests being served",
+        )
+        meter.create_observable_counter(
+            "specdec_gateway_resumes",
+            [observe(lambda: counters.resumed_requests)],
+            unit="{request}",
+            description="requests resumed on another verifier after theirs failed",
+        )
+        self.requests = meter.create_counter(
+            "specdec_gateway_requests", unit="{request}", description="requests ended, by gRPC status code"
+        )
+        self.prompt_tokens = meter.create_counter("specdec_gateway_prompt_tokens", unit="{token}")
+        self.completion_tokens = meter.create_counter("specdec_gateway_completion_tokens", unit="{token}")
+        self.ttft = meter.create_histogram(
+            "specdec_gateway_time_to_first_token_seconds",
+            unit="s",
+            description="request arrival at the gateway to its first streamed tokens",
+            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
+        )
+        self.itl = meter.create_histogram(
+            "specdec_gateway_inter_token_latency_seconds",
+            unit="s",
+            description="gap between streamed chunks divided by the tokens they carry (one record per chunk)",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+        )
+        self.e2e = meter.create_histogram(
+            "specdec_gateway_e2e_request_latency_seconds",
+            unit="s",
+            description="request arrival at the gateway to its last chunk",
+            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
+        )
+
+    def request_started(self, request_id: str, session_id: str) -> GatewayRequestTrace:
+        span = self.tracer.start_span(
+            "gateway.request", attributes={"specdec.request_id": request_id, "specdec.session_id": session_id}
+        )
+        return GatewayRequestTrace(span, time.perf_counter())
+
+    @contextlib.contextmanager
+    def current(self, req: GatewayRequestTrace) -> Iterator[None]:
+        """The request span as the current one (around creating a verifier call, whose client span and
+        metadata then carry it). Synchronous on purpose: no await may happen in between."""
+        token = otel_context.attach(trace.set_span_in_context(req.span))
+        try:
+            yield
+        finally:
+            otel_context.detach(token)
+
+    def chunk(self, req: GatewayRequestTrace, num_tokens: int) -> None:
+        if not num_tokens:
+            return
+        now = time.perf_counter()
+        if req.last_chunk is None:
+            self.ttft.record(now - req.started)
+        else:
+            self.itl.record((now - req.last_chunk) / num_tokens)
+        req.last_chunk = now
+
+    def event(self, req: GatewayRequestTrace, name: str, attributes: dict[str, Any]) -> None:
+        req.span.add_event(name, attributes)
+
+    def finished(self, req: GatewayRequestTrace, usage: Any, finish_reason: str, resumes: int) -> None:
+        self.e2e.record(time.perf_counter() - req.started)
+        self.prompt_tokens.add(usage.prompt_tokens)
+        self.completion_tokens.add(usage.completion_tokens)
+        req.span.set_attributes(
+            {
+                "specdec.prompt_tokens": usage.prompt_tokens,
+                "specdec.completion_tokens": usage.completion_tokens,
+                "specdec.drafted_tokens": usage.drafted_tokens,
+                "specdec.accepted_tokens": usage.accepted_tokens,
+                "specdec.num_steps": usage.num_steps,
+                "specdec.finish_reason": finish_reason,
+                "specdec.resumes": resumes,
+            }
+        )
+        self._end(req, grpc.StatusCode.OK)
+
+    def failed(self, req: GatewayRequestTrace, code: grpc.StatusCode, message: str) -> None:
+        if not req.ended:
+            set_error(req.span, code, message)
+            self._end(req, code)
+
+    def _end(self, req: GatewayRequestTrace, code: grpc.StatusCode) -> None:
+        req.ended = True
+        self.requests.add(1, {"code": code.name})
+        req.span.end()

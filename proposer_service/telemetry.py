@@ -1,0 +1,95 @@
+"""The proposer's traces and metrics.
+
+Each ProposeRequest that carries a trace context (the verifier's `propose` span of that step) gets a
+`proposer.draft` span, its child, so the proposer's time shows in the step's trace. Messages without
+one (the verifier does not trace that step) get no span: the verifier's sampling decides. Every answer
+reports the time spent on it (`draft_time_us`), which the verifier subtracts from its round trip to get
+the network time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from shared.proto_gen.specdec.v1 import proposer_pb2
+from shared.telemetry import STEP_BUCKETS_S, Telemetry, extract_context, set_error
+
+
+class ProposerTelemetry:
+    def __init__(self, telemetry: Telemetry, servicer: Any) -> None:
+        self.tracing = telemetry.tracing
+        self.tracer = telemetry.tracer("specdec.proposer")
+        meter = telemetry.meter("specdec.proposer")
+
+        def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+            return lambda _options: [Observation(read())]
+
+        meter.create_observable_counter(
+            "specdec_proposer_messages",
+            [observe(lambda: servicer.messages)],
+            unit="{message}",
+            description="propose messages answered (one per verifier step that drafts)",
+        )
+        meter.create_observable_gauge(
+            "specdec_proposer_open_streams",
+            [observe(lambda: servicer.open_streams)],
+            unit="{stream}",
+            description="open Propose streams (one per connected verifier)",
+        )
+        self.proposed_tokens = meter.create_counter(
+            "specdec_proposer_draft_tokens", unit="{token}", description="draft tokens proposed"
+        )
+        self.draft_seconds = meter.create_histogram(
+            "specdec_proposer_draft_duration_seconds",
+            unit="s",
+            description="time to answer one propose message (state updates and drafting)",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+        )
+
+    def message_started(self, request: proposer_pb2.ProposeRequest) -> tuple[float, trace.Span | None]:
+        span = None
+        if self.tracing and request.trace_context:
+            span = self.tracer.start_span(
+                "proposer.draft",
+                context=extract_context(request.trace_context),
+                kind=trace.SpanKind.SERVER,
+                attributes={
+                    "specdec.step_id": request.step_id,
+                    "specdec.batch_size": len(request.sequences),
+                    "specdec.k": [seq.k for seq in request.sequences],
+                    "specdec.released_sequences": len(request.release_seq_ids),
+                },
+            )
+        return time.perf_counter(), span
+
+    def message_finished(
+        self, started: tuple[float, trace.Span | None], response: proposer_pb2.ProposeResponse | None
+    ) -> None:
+        """`response` None: the message was refused (the stream is aborted with INVALID_ARGUMENT)."""
+        begin, span = started
+        seconds = time.perf_counter() - begin
+        if response is None:
+            if span is not None:
+                set_error(span, grpc.StatusCode.INVALID_ARGUMENT, "propose message refused")
+                span.end()
+            return
+        response.draft_time_us = int(seconds * 1e6)
+        drafted = sum(len(d.draft_token_ids) for d in response.drafts)
+        self.draft_seconds.record(seconds)
+        if drafted:
+            self.proposed_tokens.add(drafted)
+        if span is not None:
+            span.set_attributes(
+                {
+                    "specdec.drafted_tokens": drafted,
+                    "specdec.drafted": [len(d.draft_token_ids) for d in response.drafts],
+                    "specdec.resyncs": sum(d.needs_resync for d in response.drafts),
+                }
+            )
+            span.end()
