@@ -95,6 +95,7 @@ CONFIGS: tuple[Config, ...] = (
     Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
     Config("cq", "(c) engine k=0 [quoting]", "quoting", "engine"),
     Config("e", "(e) engine + n-gram, k=4 [quoting]", "quoting", "engine", "ngram", 4),
+    Config("e8", "(e) engine + n-gram, k=8 [quoting]", "quoting", "engine", "ngram", 8),
 )
 CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
 
@@ -318,6 +319,18 @@ def measure_costs(models: Models, prompts: list[list[int]], batch: int, ks: Sequ
     }
 
 
+def per_token_alpha(accepted_per_round: float, k: int) -> float:
+    """The paper's alpha (each draft position accepted with probability alpha, independently): the value
+    whose expected accepted drafts per round, alpha (1 - alpha^k) / (1 - alpha), equal the measured ones.
+    accepted / drafted is not it: it counts the positions after a rejection, which are never tested."""
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        expected = mid * k if mid >= 1.0 else mid * (1 - mid**k) / (1 - mid)
+        low, high = (mid, high) if expected < accepted_per_round else (low, mid)
+    return (low + high) / 2
+
+
 def predicted_speedup(a: float, k: int, c: float, verify_cost: float = 1.0) -> float:
     tokens_per_round = k + 1 if a >= 1.0 else (1 - a ** (k + 1)) / (1 - a)
     return tokens_per_round / (k * c + verify_cost)
@@ -428,12 +441,14 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
             row["rss_delta_mib"] = statistics.median(m.rss_delta for m in ms) / MiB
             if cfg.drafter == "draft" and not cfg.adaptive:
                 cost = costs[batch]
-                a = row["acceptance_rate"]
+                a = per_token_alpha(row["mean_accepted_length"] - 1, cfg.k)
+                row["alpha"] = a
                 row["c"] = cost["c"]
                 row["predicted"] = predicted_speedup(a, cfg.k, cost["c"])
                 row["predicted_with_verify_cost"] = predicted_speedup(a, cfg.k, cost["c"], cost["verify_cost"][cfg.k])
                 row["verify_cost"] = cost["verify_cost"][cfg.k]
                 row["prediction_rel_diff"] = row["vs_c"] / row["predicted"] - 1
+                row["prediction_rel_diff_v"] = row["vs_c"] / row["predicted_with_verify_cost"] - 1
             rows.append(row)
     checks = output_checks(results, models, plan)
     return {"rows": rows, "costs": {str(b): c for b, c in costs.items()}, "checks": checks}
@@ -444,7 +459,7 @@ def output_checks(results, models: Models, plan: Plan) -> list[str]:
     the engine at k = 0 equals transformers (same weights, fp32; batched kernels may break near-ties)."""
     lines = []
     for batch in BATCH_SIZES:
-        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("da", "c"), ("e", "cq"), ("b", "a")]
+        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("da", "c"), ("e", "cq"), ("e8", "cq"), ("b", "a")]
         for x, y in pairs:
             mx, my = results.get((batch, 0.0, x)), results.get((batch, 0.0, y))
             if not mx or not my:
@@ -533,19 +548,19 @@ def render(summary: dict, meta: dict) -> str:
         )
     out += cost_lines + [
         "",
-        "| batch | T | k | a | c | predicted (1-a^(k+1))/((1-a)(kc+1)) | measured (d)/(c) | rel. diff | "
-        "within 10 % | prediction with measured v_k: .../(kc+v_k) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| batch | T | k | acceptance (accepted/drafted) | a (per-token alpha) | c | v_k | measured (d)/(c) "
+        "| predicted (1-a^(k+1))/((1-a)(kc+1)) | rel. diff | predicted with v_k: .../(kc+v_k) | rel. diff |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "predicted" not in r:
             continue
         k = CONFIG_BY_KEY[r["key"]].k
-        ok = abs(r["prediction_rel_diff"]) <= 0.10
         out.append(
-            f"| {r['batch']} | {r['temperature']:g} | {k} | {r['acceptance_rate']:.3f} | {r['c']:.3f} "
-            f"| {r['predicted']:.2f} | {r['vs_c']:.2f} | {r['prediction_rel_diff']:+.0%} | {'PASS' if ok else 'FAIL'} "
-            f"| {r['predicted_with_verify_cost']:.2f} |"
+            f"| {r['batch']} | {r['temperature']:g} | {k} | {r['acceptance_rate']:.3f} | {r['alpha']:.3f} "
+            f"| {r['c']:.3f} | {r['verify_cost']:.2f} | {r['vs_c']:.2f} | {r['predicted']:.2f} "
+            f"| {r['prediction_rel_diff']:+.0%} | {r['predicted_with_verify_cost']:.2f} "
+            f"| {r['prediction_rel_diff_v']:+.0%} |"
         )
     out += ["", "### Targets", "", "| target | batch | T | measured | result |", "| --- | ---: | ---: | ---: | --- |"]
     by = {(r["batch"], r["temperature"], r["key"]): r for r in rows}
@@ -555,22 +570,26 @@ def render(summary: dict, meta: dict) -> str:
             if "vs_a" in c:
                 ok = c["vs_a"] >= 1.0
                 out.append(f"| (c) >= (a) | {b} | {t:g} | {c['vs_a']:.2f}x | {'PASS' if ok else 'FAIL'} |")
-    for b in BATCH_SIZES:
-        for t in TEMPERATURES:
-            e = by.get((b, t, "e"), {})
-            if "vs_c" in e:
-                ok = e["vs_c"] >= 1.8
-                verdict = "PASS" if ok else "FAIL"
-                out.append(f"| (e) >= 1.8x (c), quoting prompts | {b} | {t:g} | {e['vs_c']:.2f}x | {verdict} |")
+    for key in ("e", "e8"):
+        for b in BATCH_SIZES:
+            for t in TEMPERATURES:
+                e = by.get((b, t, key), {})
+                if "vs_c" in e:
+                    verdict = "PASS" if e["vs_c"] >= 1.8 else "FAIL"
+                    k = CONFIG_BY_KEY[key].k
+                    target = f"(e) n-gram k={k} >= 1.8x (c), quoting prompts"
+                    out.append(f"| {target} | {b} | {t:g} | {e['vs_c']:.2f}x | {verdict} |")
     for r in rows:
         if "predicted" in r:
             k = CONFIG_BY_KEY[r["key"]].k
-            ok = abs(r["prediction_rel_diff"]) <= 0.10
-            out.append(
-                f"| (d)/(c) within 10 % of prediction, k={k} | {r['batch']} | {r['temperature']:g} "
-                f"| {r['vs_c']:.2f}x vs {r['predicted']:.2f}x ({r['prediction_rel_diff']:+.0%}) "
-                f"| {'PASS' if ok else 'FAIL'} |"
-            )
+            for label, pred, diff in (
+                ("(kc+1), the formula as written", r["predicted"], r["prediction_rel_diff"]),
+                ("(kc+v_k), scoring cost measured", r["predicted_with_verify_cost"], r["prediction_rel_diff_v"]),
+            ):
+                out.append(
+                    f"| (d)/(c) within 10 % of prediction {label}, k={k} | {r['batch']} | {r['temperature']:g} "
+                    f"| {r['vs_c']:.2f}x vs {pred:.2f}x ({diff:+.0%}) | {'PASS' if abs(diff) <= 0.10 else 'FAIL'} |"
+                )
     out += ["", "### Output checks (greedy)", ""] + [f"- {line}" for line in summary["checks"]]
     out += ["", "### How to read this", "", HOW_TO_READ, MARK_END, ""]
     return "\n".join(out)
@@ -594,10 +613,16 @@ its dynamic KV cache and activations. The default draft was distilled on CPU and
 only ~10-30 % of the time (shared/models/README.md), so the draft-model rows show a low-acceptance case, not
 what a good draft gives. The (d) and (e) rows fix k (`EngineConfig(adaptive_k=False)`) so that the formula
 applies; (d') is the engine's default, which picks k per sequence (0 when it predicts no gain) from the
-sequence's acceptance and the measured draft cost. The prediction uses the measured per-token acceptance a
-and the forward cost ratio c; it assumes a verification forward of k+1 tokens costs the same as a 1-token
-forward (v_k = 1) and ignores per-step overhead; the last column uses the measured v_k instead. With 2 runs
-the median is the mean of the two."""
+sequence's acceptance, the measured draft cost and the measured cost of scoring extra tokens. The prediction
+uses the paper's per-token acceptance a (each draft position accepted independently with probability a),
+estimated from the measured accepted drafts per round: a (1 - a^k) / (1 - a) = accepted / rounds, so that
+the formula's numerator is the measured tokens per round; accepted / drafted (the acceptance column) is
+smaller, because it counts positions after a rejection that were never tested. c is the draft/target forward
+cost ratio. The formula as written assumes the target scores k+1 tokens in the time of one (v_k = 1), true of
+a GPU at small batch, where a forward is bound by reading the weights; on this CPU the matrix products of k+1
+rows are compute-bound and v_k, measured above, is well over 1, so the second prediction, with measured v_k
+in place of 1, is the one that isolates the engine's own overhead (the target's intent: the engine adds
+little of its own). Both are reported. With 2 runs the median is the mean of the two."""
 
 
 def write_report(path: Path, section: str) -> None:
