@@ -266,7 +266,12 @@ class BlockManager:
         if table is None:
             return
         del self._num_tokens[seq_id]
-        self._seq_hashes.pop(seq_id, None)
+        # A block left private because its prefix was cached elsewhere (both computed at once) takes
+        # over if that copy has been evicted meanwhile, so the prefix stays findable.
+        for block, h in zip(table, self._seq_hashes.pop(seq_id, []), strict=False):
+            if block not in self._hash_of and h not in self._cached:
+                self._cached[h] = block
+                self._hash_of[block] = h
         # Reversed: the prefix's first blocks end up most recently used, so LRU eviction takes a
         # prefix's tail before its head (a head is useful without its tail, not the other way round).
         for block in reversed(table):
@@ -304,13 +309,17 @@ class BlockManager:
         unused = {b for b in range(self.num_blocks) if self._refcount[b] == 0}
         evictable = set(self._evictable)
         assert not free & evictable, f"blocks {sorted(free & evictable)} both free and evictable"
-        assert free | evictable == unused, f"free + evictable {sorted(free | evictable)} != unreferenced {sorted(unused)}"
+        assert free | evictable == unused, f"free + evictable {sorted(free | evictable)} != unused {sorted(unused)}"
+        self._check_prefix_cache(free, evictable)
+
+    def _check_prefix_cache(self, free: set[int], evictable: set[int]) -> None:
         assert {b: h for h, b in self._cached.items()} == self._hash_of, "hash -> block map is not a bijection"
         assert evictable <= self._hash_of.keys(), "an evictable block has no hash"
         assert not free & self._hash_of.keys(), "a free-list block still has a hash"
         assert self._seq_hashes.keys() <= self._tables.keys(), "hashes kept for a freed sequence"
         for seq_id, hashes in self._seq_hashes.items():
-            assert len(hashes) <= self._num_tokens[seq_id] // self.block_size, f"{seq_id!r}: hashes past its full blocks"
+            full_blocks = self._num_tokens[seq_id] // self.block_size
+            assert len(hashes) <= full_blocks, f"{seq_id!r}: hashes past its full blocks"
             for block, h in zip(self._tables[seq_id], hashes, strict=False):
                 assert self._hash_of.get(block, h) == h, f"{seq_id!r}: block {block} cached under another prefix"
 
