@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPECDEC_CACHE_DIR ?= $(CURDIR)/.cache/specdec
 
-.PHONY: setup proto proto-check run test test-full bench bench-tp bench-prefix lint clean
+.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean
 
 setup: $(STAMP)
 
@@ -53,3 +53,4 @@ clean:
 
 bench-prefix: $(STAMP)
 	nice -n 10 $(PY) -m specdec_bench.prefix_bench
+.PHONY: bench-prefix
