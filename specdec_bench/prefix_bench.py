@@ -177,7 +177,7 @@ def render(summary: dict, meta: dict) -> str:
         f"{verdict}). Outputs with and without the cache identical: {'yes' if summary['same_output'] else 'NO'}.",
         "",
         "Every run is a new conversation (its system prompt starts with the run number), so turn 1 computes "
-        "the whole prompt on both stacks apart from the chat template's first block. From turn 2 on, the cached stack "
+        "the whole prompt on both stacks. From turn 2 on, the cached stack "
         "computes only the tokens after the last full 16-token block of the previous turn's prompt + output "
         "(the new user message, the last generated token, up to 15 tokens of the last partial block), while the "
         "other recomputes the whole history. × faster is the within-run ratio, median over runs.",
