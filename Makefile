@@ -65,3 +65,8 @@ bench-otel: $(STAMP)
 .PHONY: phoenix
 phoenix:
 	scripts/phoenix.sh
+
+# Time to first token of later turns of a conversation through the gateway, prefix cache on / off.
+.PHONY: bench-prefix
+bench-prefix: $(STAMP)
+	$(PY) -m specdec_bench.prefix_bench

@@ -30,6 +30,13 @@ class ProposerConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "draft KV cache blocks (default: max_num_seqs full-length sequences)"}
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "a new sequence reuses the draft KV of prefixes seen before (earlier turns, shared system "
+            "prompts); --no-enable-prefix-caching recomputes every prompt in the draft model"
+        },
+    )
     draft_top_n: int = field(
         default=64, metadata={"help": "sampled drafts come from the draft model's top-n tokens (sent sparse)"}
     )

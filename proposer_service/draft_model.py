@@ -4,6 +4,12 @@ Per sequence the draft cache holds the committed tokens plus the draft tokens fe
 request rolls it back to the longest prefix still valid (rejected drafts are dropped), then all
 sequences are drafted together: one forward per draft position for the whole batch, the first one also
 catching each sequence up on its newly committed tokens (a prefill on first contact).
+
+The draft cache uses the same automatic prefix caching as the verifier (shared/kv/block_manager.py):
+a sequence seen for the first time (a new turn of a conversation, a prompt with a known system
+prompt) starts from the cached blocks matching its committed tokens, and the full blocks of
+committed tokens are registered each round and when a sequence is released or its cache dropped.
+Draft tokens never enter the cache: only the prefix that equals the committed tokens is registered.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ class DraftModelDrafter:
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
+            if seq_id in self.states:
+                self._drop_cache(seq_id)
             self.history.release(seq_id)
             self.states.pop(seq_id, None)
             self.blocks.free(seq_id)
@@ -63,15 +71,16 @@ class DraftModelDrafter:
         state = self.states.get(req.seq_id)
         if state is None:
             state = self.states[req.seq_id] = _SeqState(_generator(req.params))
-        valid = 0
-        for cached, committed in zip(state.cached, tokens, strict=False):
-            if cached != committed:
-                break
-            valid += 1
-        valid = min(valid, len(tokens) - 1)  # the last committed token is always fed: its logits give d_1
+        if not state.cached and not self.blocks.has_seq(req.seq_id):
+            # The last committed token is always fed: its logits give d_1.
+            match = self.blocks.match_prefix(tokens[: len(tokens) - 1])
+            if match.blocks:
+                state.cached = list(tokens[: self.blocks.allocate_prefix(req.seq_id, match)])
+        valid = min(_common_prefix(state.cached, tokens), len(tokens) - 1)
         del state.cached[valid:]
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(valid, self.blocks.num_tokens(req.seq_id)))
+            self.blocks.cache_full_blocks(req.seq_id, tokens, valid)
         needed = len(tokens) + req.k - 1  # catch-up tokens plus d_1..d_{k-1} are written
         if not self._reserve(req.seq_id, needed, keep=in_request):
             self._drop_cache(req.seq_id)  # no room even after evicting idle sequences: no draft this round
@@ -88,8 +97,13 @@ class DraftModelDrafter:
         return True
 
     def _drop_cache(self, seq_id: str) -> None:
+        """Free the sequence's draft blocks, leaving those of committed tokens in the prefix cache."""
+        state = self.states[seq_id]
+        committed = self.history.tokens.get(seq_id, [])
+        if self.blocks.has_seq(seq_id):
+            self.blocks.cache_full_blocks(seq_id, committed, _common_prefix(state.cached, committed))
         self.blocks.free(seq_id)
-        self.states[seq_id].cached.clear()
+        state.cached.clear()
 
     def _draft(self, active: list[tuple[DraftRequest, list[int]]]) -> list[Draft]:
         if not active:
@@ -131,6 +145,15 @@ class DraftModelDrafter:
             top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), top_ids.cpu()
             choice = torch.multinomial(top_probs, 1, generator=states[row].generator)
             yield int(top_ids[choice]), (top_ids, top_probs)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _stack(supports: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:

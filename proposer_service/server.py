@@ -350,7 +350,8 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)
     else:
         runner = make_runner(model, arch, num_blocks, cache)
-    drafter = DraftModelDrafter(runner, BlockManager(num_blocks, config.block_size), top_n=config.draft_top_n)
+    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    drafter = DraftModelDrafter(runner, blocks, top_n=config.draft_top_n)
     info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
     log.info(
         "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d tensor_parallel_size=%d "

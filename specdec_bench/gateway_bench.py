@@ -667,12 +667,12 @@ of the shared machine, the within-run ratios are the numbers to trust. The defau
 CPU and agrees with the target only ~10-30 % of the time, so the draft-model rows show a low-acceptance case."""
 
 
-def write_report(path: Path, section: str) -> None:
-    """Replace the text between the gateway markers (append the section when they are missing)."""
+def write_report(path: Path, section: str, start: str = MARK_START, end: str = MARK_END) -> None:
+    """Replace the text between the markers (append the section when they are missing)."""
     text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
+    if start in text and end in text:
+        head, rest = text.split(start, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         text = head + section + tail
     else:
         text = text.rstrip("\n") + "\n\n" + section

@@ -31,6 +31,7 @@ class CacheConfig:
     block_size: int = 16
     num_blocks: int | None = None  # None: room for max_num_seqs full-length sequences
     attention_backend: str = "auto"
+    enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before (block_manager.py)
 
 
 def make_runner(model: LlamaModel, arch: ModelArch, num_blocks: int, cache: CacheConfig) -> ModelRunner:
@@ -78,7 +79,8 @@ def make_draft_model_drafter(
     arch.check_context_length(config.max_model_len, "the draft model")
     num_blocks = default_num_blocks(config, CacheConfig(cache.block_size, None, cache.attention_backend))
     runner = make_runner(model, arch, num_blocks, cache)
-    return DraftModelDrafter(runner, BlockManager(num_blocks, cache.block_size), top_n=top_n)
+    blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+    return DraftModelDrafter(runner, blocks, top_n=top_n)
 
 
 def build_engine(
@@ -116,7 +118,8 @@ def build_engine(
             draft_model, draft_arch = load_model(drafter, dtype, device)
             check_same_vocabulary(arch, draft_arch, str(target), drafter)
             drafter = make_draft_model_drafter(draft_model, draft_arch, config, cache)
-        return Engine(config, runner, BlockManager(num_blocks, cache.block_size), drafter, arch.eos_token_ids)
+        blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        return Engine(config, runner, blocks, drafter, arch.eos_token_ids)
     except BaseException:
         if isinstance(runner, TPModelRunner):
             runner.close()

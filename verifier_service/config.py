@@ -43,6 +43,14 @@ class VerifierConfig:
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "KV cache blocks (default: max_num_seqs full-length sequences)"}
     )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata={
+            "help": "reuse the KV cache of prompt prefixes seen before (earlier turns of a session, a shared "
+            "system prompt); finished requests' blocks stay cached until their space is needed. "
+            "--no-enable-prefix-caching recomputes every prompt"
+        },
+    )
     max_waiting: int = field(default=256, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"})
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens of a request that sets none"})
     proposer_timeout_ms: int = field(

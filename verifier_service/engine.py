@@ -84,6 +84,7 @@ class RequestOutput:
     num_accepted: int = 0
     prompt_len: int = 0
     output_ids: list[int] = field(default_factory=list)
+    num_cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def finished(self) -> bool:
@@ -311,6 +312,7 @@ class Engine:
                 break
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
+        out.num_cached_prompt = seq.num_cached_prompt or 0
         if seq.is_finished:
             out.output_ids = seq.output_ids
             self.seqs.pop(seq.seq_id, None)

@@ -26,9 +26,10 @@ log = logging.getLogger("specdec.verifier.loop")
 
 @dataclass
 class RequestUsage:
-    """Token accounting of one request (the proto Usage without cached_prompt_tokens, always 0 here)."""
+    """Token accounting of one request (the proto Usage)."""
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache
     completion_tokens: int = 0
     drafted_tokens: int = 0
     accepted_tokens: int = 0
@@ -78,6 +79,13 @@ class StatsSnapshot:
     aborted_requests: int
     stale_drafts: int = 0
     proposer_fallback_steps: int = 0
+    prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests
+    prefix_cache_hit_tokens: int = 0  # of which served from the prefix cache
+    prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
 
 
 @dataclass
@@ -223,6 +231,7 @@ class EngineLoop:
             if tracked is None:
                 continue  # cancelled while the step ran; the engine already forgot it or will at abort
             usage = tracked.usage
+            usage.cached_prompt_tokens = out.num_cached_prompt
             usage.completion_tokens += len(out.new_token_ids)
             usage.drafted_tokens += out.num_drafted
             usage.accepted_tokens += out.num_accepted
@@ -278,7 +287,7 @@ class EngineLoop:
             kv_blocks_total=blocks.num_blocks,
             kv_blocks_free=free,
             kv_blocks_used=blocks.num_blocks - free,
-            kv_blocks_cached=0,
+            kv_blocks_cached=blocks.num_cached_blocks,
             kv_block_size=blocks.block_size,
             drafted_tokens=s.drafted_tokens,
             accepted_tokens=s.accepted_tokens,
@@ -293,4 +302,7 @@ class EngineLoop:
             aborted_requests=self.aborted_requests,
             stale_drafts=s.stale_drafts,
             proposer_fallback_steps=self.proposer.fallback_steps if self.proposer is not None else 0,
+            prefix_cache_query_tokens=engine.scheduler.prefix_cache.query_tokens,
+            prefix_cache_hit_tokens=engine.scheduler.prefix_cache.hit_tokens,
+            prefix_cache_evictions=blocks.num_evictions,
         )

@@ -5,6 +5,13 @@ cache. A step feeds the uncomputed ones (a prefill chunk, or the single newest t
 plus `k` draft tokens when the feed reaches the end. When blocks run out, draft lengths drop to 0
 first, then the newest sequences are preempted: their blocks are freed and they are recomputed later
 from their committed tokens, which leaves their output unchanged.
+
+Prefix caching (see shared/kv/block_manager.py): a sequence entering the batch (new, or back after
+preemption) first takes the cached blocks matching its tokens and starts with `num_computed` past
+them. Its last token is never taken from the cache: its logits sample the next token. The scheduler
+registers a running sequence's full blocks once their tokens are committed and computed, i.e. never
+a block holding draft positions, and again when a sequence leaves (finished, aborted or preempted),
+so its blocks stay reusable until their space is needed.
 """
 
 from __future__ import annotations
@@ -28,6 +35,18 @@ class SchedulerConfig:
 
 
 @dataclass
+class PrefixCacheStats:
+    """Counters over admitted requests (first admission only: a recompute after preemption is not a query)."""
+
+    query_tokens: int = 0  # prompt tokens
+    hit_tokens: int = 0  # of which K/V came from the prefix cache
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.query_tokens if self.query_tokens else 0.0
+
+
+@dataclass
 class ScheduledSeq:
     seq: Sequence
     num_feed: int  # committed tokens fed this step
@@ -45,6 +64,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prefix_cache = PrefixCacheStats()
         self.cost_ratio = CostRatio()  # measured by the engine
         self.scoring_cost = ScoringCost()  # measured by the engine
 
@@ -57,7 +77,7 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self._free_blocks(seq)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -65,6 +85,8 @@ class Scheduler:
     def schedule(self) -> list[ScheduledSeq]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
+        for seq in self.running:  # what the last step committed becomes reusable
+            self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
@@ -116,11 +138,20 @@ class Scheduler:
         return ScheduledSeq(seq, num_feed, 0)
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
-        num_feed = min(seq.num_uncomputed, budget)
+        # The last token is always fed: its logits give the first new token.
+        match = self.blocks.match_prefix(seq.tokens[: len(seq.tokens) - 1])
         # Admit only if the whole sequence fits now, so a new arrival cannot trigger preemption loops.
-        if self.blocks.blocks_needed(seq.seq_id, len(seq.tokens) + 1) > self.blocks.num_free_blocks:
+        if self.blocks.blocks_needed_with_prefix(match, len(seq.tokens) + 1) > self.blocks.num_free_blocks:
             return None
-        if not self._reserve(seq, seq.num_computed + num_feed):
+        seq.num_computed = self.blocks.allocate_prefix(seq.seq_id, match)
+        if seq.num_cached_prompt is None:
+            seq.num_cached_prompt = min(seq.num_computed, len(seq.prompt_ids))
+            self.prefix_cache.query_tokens += len(seq.prompt_ids)
+            self.prefix_cache.hit_tokens += seq.num_cached_prompt
+        num_feed = min(seq.num_uncomputed, budget)
+        if not self._reserve(seq, seq.num_computed + num_feed):  # cannot happen after the check above
+            self.blocks.free(seq.seq_id)
+            seq.num_computed = 0
             return None
         return ScheduledSeq(seq, num_feed, 0)
 
@@ -128,12 +159,19 @@ class Scheduler:
         if not self.blocks.can_reserve(seq.seq_id, num_tokens):
             return False
         pairs = self.blocks.reserve(seq.seq_id, num_tokens)
-        assert not pairs, "sequences never share blocks without prefix caching"
+        # Only full blocks of committed, computed tokens are shared, and a sequence never writes below
+        # `num_computed`, so a write never lands in a shared or cached block.
+        assert not pairs, "a step wrote into a shared or cached block"
         return True
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        """Leave the sequence's committed, computed full blocks in the prefix cache, then free them."""
+        self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, min(seq.num_computed, len(seq.tokens)))
+        self.blocks.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.blocks.free(seq.seq_id)
+        self._free_blocks(seq)
         seq.num_computed = 0
         self.waiting.appendleft(seq)
         self.num_preemptions += 1

@@ -27,6 +27,7 @@ class Sequence:
     max_draft_tokens: int | None = None  # the request's own cap on k
     tokens: list[int] = field(default_factory=list)  # prompt + output, all committed
     num_computed: int = 0  # tokens whose K/V are in the cache; the rest are fed next step
+    num_cached_prompt: int | None = None  # prompt tokens found in the prefix cache at first admission
     finish_reason: FinishReason | None = None
     generator: torch.Generator = field(default_factory=torch.Generator)
     num_drafted: int = 0

@@ -89,7 +89,7 @@ def update_to_proto(update: Update) -> verifier_pb2.VerifierGenerateResponse:
             common_pb2.Usage(
                 prompt_tokens=u.prompt_tokens,
                 completion_tokens=u.completion_tokens,
-                cached_prompt_tokens=0,
+                cached_prompt_tokens=u.cached_prompt_tokens,
                 drafted_tokens=u.drafted_tokens,
                 accepted_tokens=u.accepted_tokens,
                 num_steps=u.num_steps,
@@ -121,6 +121,10 @@ def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
         proposer_connected=s.proposer_connected,
         finished_requests=s.finished_requests,
         aborted_requests=s.aborted_requests,
+        prefix_cache_query_tokens=s.prefix_cache_query_tokens,
+        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
+        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
+        prefix_cache_evictions=s.prefix_cache_evictions,
     )
 
 
@@ -288,7 +292,9 @@ class VerifierServer:
             max_waiting=config.max_waiting,
             adaptive_k=config.adaptive_k,
         )
-        cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
+        cache = CacheConfig(
+            config.block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching
+        )
         if tp_size > 1:
             try:
                 engine = await asyncio.to_thread(
@@ -334,7 +340,7 @@ class VerifierServer:
         await set_serving(health, [SERVICE_NAME], True)
         log.info(
             "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d "
-            "tensor_parallel_size=%d",
+            "tensor_parallel_size=%d prefix_caching=%s",
             config.host,
             port,
             name,
@@ -344,6 +350,7 @@ class VerifierServer:
             engine.blocks.block_size,
             max_model_len,
             tp_size,
+            config.enable_prefix_caching,
         )
         instance = cls(config, server, servicer, health, port, loop, proposer)
         instance.telemetry = telemetry

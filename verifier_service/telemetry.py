@@ -138,6 +138,28 @@ class VerifierTelemetry:
             unit="{token}",
             description="draft tokens accepted, by position in the draft (0 = first)",
         )
+        prefix = engine.scheduler.prefix_cache
+        counter(
+            "specdec_prefix_cache_query_tokens",
+            "prompt tokens looked up in the prefix cache",
+            lambda: prefix.query_tokens,
+        )
+        counter(
+            "specdec_prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", lambda: prefix.hit_tokens
+        )
+        counter(
+            "specdec_prefix_cache_evictions",
+            "cached KV blocks evicted to make room",
+            lambda: engine.blocks.num_evictions,
+            "{block}",
+        )
+        gauge("specdec_prefix_cache_hit_rate", "hit tokens / query tokens since start", lambda: prefix.hit_rate)
+        gauge(
+            "specdec_kv_blocks_cached",
+            "free KV blocks that still hold reusable prefix-cache content",
+            lambda: engine.blocks.num_cached_blocks,
+            "{block}",
+        )
         gauge("specdec_acceptance_rate", "accepted / drafted tokens since start", lambda: stats.acceptance_rate)
         gauge(
             "specdec_mean_accepted_length",

@@ -8,15 +8,29 @@ This module holds no tensors on purpose: it only decides *where* things go. The 
 cache and performs the copies this module asks for (copy-on-write pairs from `reserve`).
 
 Sharing is expressed only through reference counts: `fork` makes two tables point at the same
-blocks, and a block returns to the free list when its count drops to zero. Anything that wants to
-share blocks later (prefix caching) must go through `_incref` / `_decref` so the invariants hold.
+blocks, and a block returns to the free list when its count drops to zero.
+
+Automatic prefix caching (vLLM's "APC", on unless `enable_prefix_caching=False`): a *full* block
+whose tokens are all committed can be registered (`cache_full_blocks`) under a hash of its tokens
+chained with the hash of everything before it, so equal hashes mean equal whole prefixes. A new
+sequence looks its tokens up (`match_prefix`) and shares the cached blocks it finds
+(`allocate_prefix`); only the rest is computed. A cached block whose count drops to zero is not
+freed but becomes *evictable*: it keeps its content and hash in an LRU order and is reused (its hash
+dropped) only when the free list is empty. A cached block is immutable: a write into it (only
+possible after a rollback into it) gets a copy-on-write pair like a shared block.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
 
 SeqId = Hashable
+BlockHash = bytes
+_ROOT_HASH: BlockHash = b""
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -27,6 +41,23 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def block_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
+    """Hash of a full block given its parent's hash: identifies the whole prefix ending with it.
+
+    A 128-bit cryptographic digest, so two different prefixes never share K/V in practice (Python's
+    `hash` is 64-bit and collisions in it could be crafted by a client).
+    """
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Cached blocks covering the first `len(blocks) * block_size` tokens of a lookup, with their hashes."""
+
+    blocks: tuple[int, ...] = ()
+    hashes: tuple[BlockHash, ...] = ()
+
+
 class BlockManager:
     """Hands out physical KV-cache blocks to sequences and keeps their block tables.
 
@@ -34,7 +65,7 @@ class BlockManager:
     scheduler can try an allocation and fall back to preemption on `NoFreeBlocksError`.
     """
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if block_size < 1:
@@ -47,12 +78,27 @@ class BlockManager:
         self._refcount: list[int] = [0] * num_blocks
         self._tables: dict[SeqId, list[int]] = {}
         self._num_tokens: dict[SeqId, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._cached: dict[BlockHash, int] = {}  # hash -> the block holding that prefix's last block
+        self._hash_of: dict[int, BlockHash] = {}  # the inverse: every cached block, owned or evictable
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached blocks at refcount 0, LRU first
+        self._seq_hashes: dict[SeqId, list[BlockHash]] = {}  # hashes of each sequence's leading full blocks
+        self.num_evictions = 0  # counter: cached blocks reused for other content
 
     # ------------------------------------------------------------------ queries
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a reservation may take: the free list plus evictable cached blocks."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Free blocks that still hold reusable prefix-cache content (a subset of num_free_blocks)."""
+        return len(self._evictable)
+
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of
 
     def has_seq(self, seq_id: SeqId) -> bool:
         return seq_id in self._tables
@@ -79,7 +125,80 @@ class BlockManager:
         return needed
 
     def can_reserve(self, seq_id: SeqId, num_tokens: int) -> bool:
-        return self.blocks_needed(seq_id, num_tokens) <= len(self._free)
+        return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The longest run of cached blocks equal to the leading full blocks of `token_ids` (no change).
+
+        Pass only tokens whose K/V may be reused: the caller keeps back the token(s) it must compute.
+        """
+        if not self.enable_prefix_caching:
+            return PrefixMatch()
+        bs = self.block_size
+        blocks: list[int] = []
+        hashes: list[BlockHash] = []
+        parent = _ROOT_HASH
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = block_hash(parent, token_ids[start : start + bs])
+            block = self._cached.get(parent)
+            if block is None:
+                break
+            blocks.append(block)
+            hashes.append(parent)
+        return PrefixMatch(tuple(blocks), tuple(hashes))
+
+    def blocks_needed_with_prefix(self, match: PrefixMatch, num_tokens: int) -> int:
+        """Free blocks a new sequence taking `match` and growing to `num_tokens` slots would consume.
+
+        Reviving an evictable block takes it out of the free pool, so it counts like a fresh one.
+        """
+        revived = sum(1 for b in match.blocks if self._refcount[b] == 0)
+        return max(0, _ceil_div(num_tokens, self.block_size) - len(match.blocks)) + revived
+
+    def allocate_prefix(self, seq_id: SeqId, match: PrefixMatch) -> int:
+        """Create `seq_id` sharing the matched cached blocks; returns the tokens they hold (its length).
+
+        `match` must come from `match_prefix` with no allocation in between (eviction could reuse them).
+        """
+        if seq_id in self._tables:
+            raise ValueError(f"{seq_id!r} already has blocks; a prefix is allocated only to a new sequence")
+        for block, h in zip(match.blocks, match.hashes, strict=True):
+            if self._cached.get(h) != block:
+                raise ValueError(f"stale prefix match: block {block} no longer holds the matched prefix")
+        for block in match.blocks:
+            self._incref(block)
+        self._tables[seq_id] = list(match.blocks)
+        self._num_tokens[seq_id] = len(match.blocks) * self.block_size
+        self._seq_hashes[seq_id] = list(match.hashes)
+        return self._num_tokens[seq_id]
+
+    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Register the sequence's full blocks among its first `num_tokens` slots for reuse.
+
+        `token_ids[:num_tokens]` must be committed tokens whose K/V are written in those slots (never
+        draft positions). Blocks already registered are skipped, so calling this every step is cheap.
+        A block whose prefix is already cached in another block (both were computed at once) stays
+        private and is freed normally.
+        """
+        if not self.enable_prefix_caching or seq_id not in self._tables:
+            return
+        if not 0 <= num_tokens <= min(self._num_tokens[seq_id], len(token_ids)):
+            raise ValueError(f"cannot cache {num_tokens} tokens of {seq_id!r}: beyond its tokens or slots")
+        bs = self.block_size
+        hashes = self._seq_hashes.setdefault(seq_id, [])
+        table = self._tables[seq_id]
+        for i in range(len(hashes), num_tokens // bs):
+            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, token_ids[i * bs : (i + 1) * bs])
+            hashes.append(h)
+            block = table[i]
+            known = self._hash_of.get(block)
+            if known is not None:
+                if known != h:
+                    raise ValueError(f"block {block} of {seq_id!r} is cached with other content")
+                continue
+            if h not in self._cached:
+                self._cached[h] = block
+                self._hash_of[block] = h
 
     def slot_mapping(self, seq_id: SeqId, start: int, end: int) -> list[int]:
         """Flat slot index (block_id * block_size + offset) for logical positions [start, end).
@@ -105,16 +224,16 @@ class BlockManager:
         """
         current = self._check_grow(seq_id, num_tokens)
         needed = self.blocks_needed(seq_id, num_tokens)
-        if needed > len(self._free):
+        if needed > self.num_free_blocks:
             raise NoFreeBlocksError(
-                f"{seq_id!r} needs {needed} blocks to reach {num_tokens} tokens, {len(self._free)} free"
+                f"{seq_id!r} needs {needed} blocks to reach {num_tokens} tokens, {self.num_free_blocks} free"
             )
         table = self._tables.setdefault(seq_id, [])
         cow: list[tuple[int, int]] = []
         if self._needs_cow(seq_id, current, num_tokens):
             src = table[-1]
             dst = self._allocate()
-            self._decref(src)  # cannot reach 0: it was shared
+            self._decref(src)  # shared: stays owned; cached: stays cached (evictable at 0)
             table[-1] = dst
             cow.append((src, dst))
         for _ in range(_ceil_div(num_tokens, self.block_size) - len(table)):
@@ -137,6 +256,9 @@ class BlockManager:
             self._decref(block)
         del table[keep:]
         self._num_tokens[seq_id] = num_tokens
+        hashes = self._seq_hashes.get(seq_id)
+        if hashes is not None:
+            del hashes[num_tokens // self.block_size :]
 
     def free(self, seq_id: SeqId) -> None:
         """Release all blocks of the sequence; unknown ids are ignored so abort-after-finish is safe."""
@@ -144,7 +266,15 @@ class BlockManager:
         if table is None:
             return
         del self._num_tokens[seq_id]
-        for block in table:
+        # A block left private because its prefix was cached elsewhere (both computed at once) takes
+        # over if that copy has been evicted meanwhile, so the prefix stays findable.
+        for block, h in zip(table, self._seq_hashes.pop(seq_id, []), strict=False):
+            if block not in self._hash_of and h not in self._cached:
+                self._cached[h] = block
+                self._hash_of[block] = h
+        # Reversed: the prefix's first blocks end up most recently used, so LRU eviction takes a
+        # prefix's tail before its head (a head is useful without its tail, not the other way round).
+        for block in reversed(table):
             self._decref(block)
 
     def fork(self, parent_id: SeqId, child_id: SeqId) -> None:
@@ -159,6 +289,8 @@ class BlockManager:
             self._incref(block)
         self._tables[child_id] = list(table)
         self._num_tokens[child_id] = self._num_tokens[parent_id]
+        if parent_id in self._seq_hashes:
+            self._seq_hashes[child_id] = list(self._seq_hashes[parent_id])
 
     # ------------------------------------------------------------------ checking
 
@@ -175,7 +307,21 @@ class BlockManager:
         free = set(self._free)
         assert len(free) == len(self._free), "duplicate block in free list"
         unused = {b for b in range(self.num_blocks) if self._refcount[b] == 0}
-        assert free == unused, f"free list {sorted(free)} != unreferenced blocks {sorted(unused)}"
+        evictable = set(self._evictable)
+        assert not free & evictable, f"blocks {sorted(free & evictable)} both free and evictable"
+        assert free | evictable == unused, f"free + evictable {sorted(free | evictable)} != unused {sorted(unused)}"
+        self._check_prefix_cache(free, evictable)
+
+    def _check_prefix_cache(self, free: set[int], evictable: set[int]) -> None:
+        assert {b: h for h, b in self._cached.items()} == self._hash_of, "hash -> block map is not a bijection"
+        assert evictable <= self._hash_of.keys(), "an evictable block has no hash"
+        assert not free & self._hash_of.keys(), "a free-list block still has a hash"
+        assert self._seq_hashes.keys() <= self._tables.keys(), "hashes kept for a freed sequence"
+        for seq_id, hashes in self._seq_hashes.items():
+            full_blocks = self._num_tokens[seq_id] // self.block_size
+            assert len(hashes) <= full_blocks, f"{seq_id!r}: hashes past its full blocks"
+            for block, h in zip(self._tables[seq_id], hashes, strict=False):
+                assert self._hash_of.get(block, h) == h, f"{seq_id!r}: block {block} cached under another prefix"
 
     # ------------------------------------------------------------------ internals
 
@@ -193,17 +339,28 @@ class BlockManager:
         """
         if num_tokens <= current or current % self.block_size == 0:
             return False
-        return self._refcount[self._tables[seq_id][-1]] > 1
+        last = self._tables[seq_id][-1]
+        return self._refcount[last] > 1 or last in self._hash_of  # a cached block's content is immutable
 
     def _allocate(self) -> int:
-        block = self._free.pop()
+        if self._free:
+            block = self._free.pop()
+        else:  # evict the least recently used cached block
+            block, _ = self._evictable.popitem(last=False)
+            del self._cached[self._hash_of.pop(block)]
+            self.num_evictions += 1
         self._refcount[block] = 1
         return block
 
     def _incref(self, block: int) -> None:
+        if self._refcount[block] == 0:  # a cached block revived by a prefix hit
+            del self._evictable[block]
         self._refcount[block] += 1
 
     def _decref(self, block: int) -> None:
         self._refcount[block] -= 1
         if self._refcount[block] == 0:
-            self._free.append(block)
+            if block in self._hash_of:
+                self._evictable[block] = None  # most recently used end
+            else:
+                self._free.append(block)

@@ -109,3 +109,39 @@ def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind
     outputs = run_all(engine, {i: prompts[i] for i in indices}, max_tokens=64)
     assert engine.scheduler.num_preemptions > 0
     assert_same(outputs, greedy_references, f"{kind} k={k} preemption", max_tokens=64)
+
+
+_PLAIN: dict[tuple[int, ...], list[int]] = {}
+
+
+def plain_greedy(target, prompt: list[int], max_tokens: int) -> list[int]:
+    """Target alone (k = 0), prefix caching off: the reference for prompts outside greedy_references."""
+    if tuple(prompt) not in _PLAIN:
+        config = EngineConfig(num_speculative_tokens=0, max_num_seqs=1, max_model_len=1024)
+        engine = build_engine(target, None, config, CacheConfig(block_size=16, enable_prefix_caching=False))
+        _PLAIN[tuple(prompt)] = run_all(engine, {0: prompt}, max_tokens)[0]
+    return _PLAIN[tuple(prompt)]
+
+
+@pytest.mark.parametrize(("kind", "k"), [("draft", 1), ("draft", 4), ("ngram", 3)])
+def test_prefix_cache_across_turns_keeps_output(target, draft, prompts, greedy_references, kind, k):
+    """Three turns of two conversations sharing a first user turn (a shared "system prompt"), cache on."""
+    engine = make_engine(target, draft, kind, k, max_num_seqs=2)
+    max_tokens = 16
+    conversations = {0: list(prompts[3]), 1: list(prompts[3])}
+    for turn in range(3):
+        engine.add_request(f"{turn}-0", conversations[0], SamplingParams(max_tokens=max_tokens))
+        engine.add_request(f"{turn}-1", conversations[1], SamplingParams(max_tokens=max_tokens))
+        finished = {}
+        while engine.has_unfinished():
+            finished.update({o.request_id: o for o in engine.step() if o.finished})
+        assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "blocks leaked"
+        for c, conv in conversations.items():
+            out = finished[f"{turn}-{c}"]
+            reference = greedy_references[3][:max_tokens] if turn == 0 else plain_greedy(target, conv, max_tokens)
+            assert out.output_ids == reference, f"{kind} k={k} turn {turn} conversation {c}"
+            if turn > 0:
+                assert out.num_cached_prompt >= len(prompts[3]) // 16 * 16
+            conversations[c] = conv + out.output_ids + list(prompts[5 + 2 * c + turn])
+    hits = engine.scheduler.prefix_cache
+    assert hits.hit_tokens > hits.query_tokens / 2

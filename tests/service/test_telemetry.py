@@ -218,6 +218,9 @@ def test_metric_identities_after_a_mixed_workload(tokenizer):
                 dict(prompt_token_ids=[2, 7, 1, 8], max_tokens=1),
             ]
             results = await asyncio.gather(*(stack.generate(**r) for r in requests))
+            shared_prefix = list(range(10, 50))  # two full 16-token blocks, cached when the first one finishes
+            for last in (1, 2):
+                results.append(await stack.generate(prompt_token_ids=shared_prefix + [last], max_tokens=2))
             await cancelled_midway(stack)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await stack.generate(prompt_token_ids=[1, 500], max_tokens=4)  # outside the target's vocabulary
@@ -225,10 +228,10 @@ def test_metric_identities_after_a_mixed_workload(tokenizer):
             await wait_idle(stack)
             for _ in range(100):  # the cancelled call's handler ends its span once gRPC has cancelled it
                 spans = list(stack.spans.get_finished_spans())
-                if len(by_name(spans, "verifier.request")) > len(requests):
+                if len(by_name(spans, "verifier.request")) > len(results):
                     break
                 await asyncio.sleep(0.05)
-            check_error_spans(spans, len(requests))
+            check_error_spans(spans, len(results))
             check_metrics(stack, scrape(stack.telemetry["verifier"].metrics_port), results)
             check_dashboard({name for svc in stack.telemetry.values() for name, _ in scrape(svc.metrics_port)})
 
@@ -312,6 +315,12 @@ def check_metrics(stack: Stack, m: dict, results: list) -> None:
     # Gauges and state counters after the workload.
     assert value("specdec_requests_running") == value("specdec_requests_waiting") == 0
     assert value("specdec_kv_blocks_used") == 0
+    prefix = stack.verifier.loop.engine.scheduler.prefix_cache
+    assert value("specdec_prefix_cache_hit_tokens_total") == prefix.hit_tokens >= 32
+    assert value("specdec_prefix_cache_query_tokens_total") == prefix.query_tokens
+    assert value("specdec_prefix_cache_hit_rate") == pytest.approx(prefix.hit_tokens / prefix.query_tokens)
+    assert value("specdec_prefix_cache_evictions_total") == stack.verifier.loop.engine.blocks.num_evictions
+    assert value("specdec_kv_blocks_cached") == stack.verifier.loop.engine.blocks.num_cached_blocks > 0
     assert value("specdec_kv_blocks_free") == stack.verifier.loop.engine.blocks.num_blocks
     assert value("specdec_requests_finished_total") == len(results)
     assert value("specdec_requests_aborted_total") == 1

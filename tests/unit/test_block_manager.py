@@ -4,6 +4,10 @@ The state machine checks the manager against a tiny reference model and, end to 
 fake cache (a dict slot -> value): each step writes the sequence's new tokens through
 `slot_mapping` after applying the CoW copies, and every sequence must always read back exactly
 its own tokens. That catches any sharing bug without trusting the manager's own bookkeeping.
+
+Prefix caching is part of the model: which full blocks are cached (by their whole token prefix),
+the LRU order of evictable blocks, and which blocks a lookup must hit. Rules commit (register),
+add a sequence sharing a cached prefix, and preempt (commit, free, re-admit).
 """
 
 from __future__ import annotations
@@ -336,6 +340,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.next_abstract = 0
         self.next_value = 0
         self.cache: dict[int, int] = {}  # physical slot -> token value
+        # Prefix-cache model: cached abstract block -> its whole token prefix, and the inverse.
+        self.key_of: dict[int, tuple[int, ...]] = {}
+        self.block_of: dict[tuple[int, ...], int] = {}
+        self.evictable: list[int] = []  # cached blocks nobody owns, least recently used first
+        self.processed: dict[int, int] = {}  # per sequence: leading full blocks already offered to the cache
+        self.histories: list[list[int]] = []  # token lists of sequences seen, to draw shared prefixes from
 
     # -- model helpers
 
@@ -346,11 +356,38 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def _shared(self, abstract: int) -> bool:
         return sum(blocks.count(abstract) for blocks in self.blocks.values()) > 1
 
+    def _owned(self, abstract: int) -> bool:
+        return any(abstract in blocks for blocks in self.blocks.values())
+
     def _model_needed(self, seq: int, n: int) -> tuple[int, bool]:
         cur = len(self.tokens.get(seq, []))
         blocks = self.blocks.get(seq, [])
-        cow = n > cur and cur % self.bs != 0 and self._shared(blocks[-1])
+        cow = n > cur and cur % self.bs != 0 and (self._shared(blocks[-1]) or blocks[-1] in self.key_of)
         return ceil_div(n, self.bs) - len(blocks) + int(cow), cow
+
+    def _model_alloc(self) -> int:
+        """A fresh abstract block; with no plain free block, the LRU evictable one loses its cache entry."""
+        plain_free = self.bm.num_blocks - len({a for b in self.blocks.values() for a in b}) - len(self.evictable)
+        if plain_free == 0:
+            victim = self.evictable.pop(0)
+            del self.block_of[self.key_of.pop(victim)]
+            event("evict")
+        return self._new_abstract()
+
+    def _model_release(self, abstracts: list[int]) -> None:
+        """Abstract blocks dropped from a table (already removed), in the manager's order."""
+        for a in abstracts:
+            if not self._owned(a) and a in self.key_of:
+                self.evictable.append(a)
+
+    def _model_hits(self, tokens: list[int]) -> list[int]:
+        hits = []
+        for end in range(self.bs, len(tokens) + 1, self.bs):
+            block = self.block_of.get(tuple(tokens[:end]))
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _model_free(self) -> int:
         used = {a for blocks in self.blocks.values() for a in blocks}
@@ -383,7 +420,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         candidates = [s for s in sorted(self.blocks) if self._shares_partial_tail(s)]
         self._reserve(data.draw(st.sampled_from(candidates), label="seq"), extra)
 
-    def _reserve(self, seq: int, extra: int) -> None:
+    def _reserve(self, seq: int, extra: int, values: list[int] | None = None) -> None:
         cur = len(self.tokens.get(seq, []))
         n = cur + extra
         needed, cow_expected = self._model_needed(seq, n)
@@ -402,7 +439,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
 
         cow = self.bm.reserve(seq, n)
         new_table = self.bm.block_table(seq)
-        assert self.bm.num_free_blocks == before[0] - needed
+        # A copied block that only this sequence owned (it was cached) becomes evictable, i.e. free.
+        released = sum(self.bm.ref_count(src) == 0 for src, _ in cow)
+        assert self.bm.num_free_blocks == before[0] - needed + released
         assert self._others(seq) == others  # nobody else's table moves
         # Blocks before the write position are kept; a copy replaces only the shared partial one.
         assert new_table[: cur // self.bs] == old_table[: cur // self.bs]
@@ -413,13 +452,16 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert cow == []
             assert new_table[: len(old_table)] == old_table
 
-        # Model update.
+        # Model update, in the manager's order: the copy, then the old block's release, then growth.
         blocks = self.blocks.setdefault(seq, [])
+        self.processed.setdefault(seq, 0)
         if cow_expected:
-            blocks[-1] = self._new_abstract()
-        blocks.extend(self._new_abstract() for _ in range(ceil_div(n, self.bs) - len(blocks)))
-        values = list(range(self.next_value, self.next_value + extra))
-        self.next_value += extra
+            old, blocks[-1] = blocks[-1], self._model_alloc()
+            self._model_release([old])
+        blocks.extend(self._model_alloc() for _ in range(ceil_div(n, self.bs) - len(blocks)))
+        if values is None:
+            values = list(range(self.next_value, self.next_value + extra))
+            self.next_value += extra
         self.tokens.setdefault(seq, []).extend(values)
 
         # Fake cache: copy then write, exactly as the verifier would.
@@ -454,7 +496,10 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert freed == released
             assert self.bm.num_free_blocks == free_before + len(old_table) - keep
         del self.tokens[seq][n:]
+        dropped = self.blocks[seq][keep:]
         del self.blocks[seq][keep:]
+        self._model_release(dropped)
+        self.processed[seq] = min(self.processed[seq], n // self.bs)
 
     @precondition(lambda self: bool(self.blocks))
     @rule(data=st.data(), extra=st.integers(1, 9))
@@ -470,7 +515,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             assert self.bm.num_free_blocks == free_before
             return
         self.bm.rollback(seq, cur)
-        assert self.bm.num_free_blocks == free_before - len(cow)
+        released = sum(self.bm.ref_count(src) == 0 for src, _ in cow)
+        assert self.bm.num_free_blocks == free_before - len(cow) + released
+        blocks = self.blocks[seq]
         if cow:
             event("reserve_then_rollback: copy-on-write")
             ((src, dst),) = cow
@@ -478,19 +525,113 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for off in range(self.bs):
                 if src * self.bs + off in self.cache:
                     self.cache[dst * self.bs + off] = self.cache[src * self.bs + off]
-            self.blocks[seq][-1] = self._new_abstract()
+            old, blocks[-1] = blocks[-1], self._model_alloc()
+            self._model_release([old])
         else:
             assert self.bm.block_table(seq) == table_before
+        # The grown blocks were allocated (possibly evicting) and released again, unhashed.
+        kept = len(blocks)
+        blocks.extend(self._model_alloc() for _ in range(ceil_div(cur + extra, self.bs) - kept))
+        grown = blocks[kept:]
+        del blocks[kept:]
+        self._model_release(grown)
 
     @rule(data=st.data())
     def free(self, data) -> None:
-        seq = self._pick_seq(data)
+        self._free(self._pick_seq(data))
+
+    def _free(self, seq: int) -> None:
         others = self._others(seq)
+        if seq in self.blocks:  # a block left private because its prefix was cached elsewhere takes over
+            for i in range(self.processed[seq]):
+                key = tuple(self.tokens[seq][: (i + 1) * self.bs])
+                if self.blocks[seq][i] not in self.key_of and key not in self.block_of:
+                    self.key_of[self.blocks[seq][i]] = key
+                    self.block_of[key] = self.blocks[seq][i]
+                    event("free: private duplicate cached")
         self.bm.free(seq)
         assert not self.bm.has_seq(seq)
         assert self._others(seq) == others
-        self.tokens.pop(seq, None)
-        self.blocks.pop(seq, None)
+        tokens = self.tokens.pop(seq, None)
+        if tokens:
+            self.histories.append(tokens)
+        self._model_release(list(reversed(self.blocks.pop(seq, []))))
+        self.processed.pop(seq, None)
+
+    @precondition(lambda self: bool(self.blocks))
+    @rule(data=st.data())
+    def commit(self, data) -> None:
+        """Mark a sequence's first n tokens committed: its full blocks among them become cacheable."""
+        seq = data.draw(st.sampled_from(sorted(self.blocks)), label="seq")
+        n = data.draw(st.integers(0, len(self.tokens[seq])), label="committed")
+        self._commit(seq, n)
+
+    def _commit(self, seq: int, n: int) -> None:
+        self.bm.cache_full_blocks(seq, self.tokens[seq], n)
+        tokens, blocks = self.tokens[seq], self.blocks[seq]
+        for i in range(self.processed[seq], n // self.bs):
+            key = tuple(tokens[: (i + 1) * self.bs])
+            if blocks[i] in self.key_of:
+                assert self.key_of[blocks[i]] == key
+            elif key not in self.block_of:
+                self.key_of[blocks[i]] = key
+                self.block_of[key] = blocks[i]
+                event("commit: block cached")
+        self.processed[seq] = max(self.processed[seq], n // self.bs)
+
+    @precondition(lambda self: bool(self.histories or self.blocks))
+    @rule(data=st.data(), extra=st.integers(1, 6))
+    def add_with_prefix(self, data, extra: int) -> None:
+        """A new sequence whose tokens start with (part of) one seen before: it shares cached blocks."""
+        sources = self.histories + [self.tokens[s] for s in sorted(self.tokens)]
+        source = data.draw(st.sampled_from(sources), label="source")
+        cut = data.draw(st.integers(0, len(source)), label="cut")
+        fresh = list(range(self.next_value, self.next_value + extra))
+        self.next_value += extra
+        self._add(data.draw(SEQ_IDS, label="seq"), list(source[:cut]) + fresh)
+
+    def _add(self, seq: int, tokens: list[int]) -> int | None:
+        """Admit `seq` with `tokens` like the scheduler; returns its cache hits in tokens (None: refused)."""
+        if seq in self.blocks:
+            with pytest.raises(ValueError):
+                self.bm.allocate_prefix(seq, self.bm.match_prefix(tokens))
+            return None
+        match = self.bm.match_prefix(tokens[:-1])
+        hits = self._model_hits(tokens[:-1])
+        assert len(match.blocks) == len(hits)
+        revived = sum(a in self.evictable for a in hits)
+        needed = ceil_div(len(tokens), self.bs) - len(hits) + revived
+        assert self.bm.blocks_needed_with_prefix(match, len(tokens)) == needed
+        if needed > self._model_free():
+            event("add: out of blocks")
+            return None
+        cached = self.bm.allocate_prefix(seq, match)
+        assert cached == len(hits) * self.bs
+        event(f"add: {'hit' if hits else 'miss'}")
+        for a in hits:
+            if a in self.evictable:
+                self.evictable.remove(a)
+        self.blocks[seq] = list(hits)
+        self.tokens[seq] = tokens[:cached]
+        self.processed[seq] = len(hits)
+        self._reserve(seq, len(tokens) - cached, tokens[cached:])
+        return cached
+
+    @precondition(lambda self: bool(self.blocks))
+    @rule(data=st.data())
+    def preempt(self, data) -> None:
+        """Preemption by recompute: everything written is committed, freed, and re-admitted at once."""
+        seq = data.draw(st.sampled_from(sorted(self.blocks)), label="seq")
+        tokens = list(self.tokens[seq])
+        self._commit(seq, len(tokens))
+        self._free(seq)
+        if not tokens:
+            return
+        cached = self._add(seq, tokens)
+        # Nothing was allocated in between, so every full block before the last token is found again
+        # (re-admission itself may wait for room, when a fork still holds the sequence's blocks).
+        if cached is not None:
+            assert cached == (len(tokens) - 1) // self.bs * self.bs
 
     @precondition(lambda self: bool(self.blocks))
     @rule(data=st.data())
@@ -518,14 +659,14 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert self.bm.num_free_blocks == free_before
         self.tokens[child] = list(self.tokens[parent])
         self.blocks[child] = list(self.blocks[parent])
+        self.processed[child] = self.processed[parent]
 
     @rule()
     def free_all(self) -> None:
-        for seq in list(self.blocks):
-            self.bm.free(seq)
-        self.tokens.clear()
-        self.blocks.clear()
+        for seq in sorted(self.blocks):
+            self._free(seq)
         assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert all(self.bm.ref_count(b) == 0 for b in range(self.bm.num_blocks))
 
     # -- invariants
 
@@ -561,6 +702,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for seq, values in self.tokens.items():
             slots = self.bm.slot_mapping(seq, 0, len(values))
             assert [self.cache.get(s) for s in slots] == values
+
+    @invariant()
+    def prefix_cache_matches_model(self) -> None:
+        """Same evictable count; every cached prefix is found as far as the model says, with its content."""
+        assert self.bm.num_cached_blocks == len(self.evictable)
+        for key in self.block_of:
+            match = self.bm.match_prefix(list(key))
+            assert len(match.blocks) == len(self._model_hits(list(key)))
+            for j, block in enumerate(match.blocks):
+                assert self.bm.is_cached(block)
+                slots = range(block * self.bs, (block + 1) * self.bs)
+                assert [self.cache.get(s) for s in slots] == list(key[j * self.bs : (j + 1) * self.bs])
 
     def teardown(self) -> None:
         for seq in range(NUM_SEQS):

@@ -304,3 +304,160 @@ def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
     assert drafted == {"capped": 1, "off": 0}
     assert outs["capped"] == hf_greedy(target_hf, ps[0], 20, eos=False)
     assert outs["off"] == hf_greedy(target_hf, ps[1], 20, eos=False)
+
+
+# ---- prefix caching -----------------------------------------------------------------------------
+
+
+def assert_all_released(engine: Engine) -> None:
+    """Every block is free or evictable (refcount 0) and the books agree, in the target and draft caches."""
+    managers = [engine.blocks]
+    if hasattr(engine.drafter, "blocks"):
+        managers.append(engine.drafter.blocks)
+    for bm in managers:
+        bm.check_invariants()
+        assert bm.num_free_blocks == bm.num_blocks
+        assert all(bm.ref_count(b) == 0 for b in range(bm.num_blocks))
+
+
+def run_one(engine: Engine, request_id: str, prompt: list[int], max_tokens: int, stop_token_ids=()):
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, stop_token_ids=tuple(stop_token_ids))
+    engine.add_request(request_id, prompt, params)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    assert final is not None
+    assert_all_released(engine)
+    return final
+
+
+def conversation(target_hf, engine: Engine, turns: int = 3, seed: int = 0, max_tokens: int = 12) -> list[int]:
+    """Multi-turn: each prompt is the previous prompt, its output and a new user turn. Returns cached counts."""
+    rng = random.Random(seed)
+    prompt = [rng.randrange(1, EOS) for _ in range(23)]
+    cached = []
+    for turn in range(turns):
+        out = run_one(engine, f"turn{turn}", prompt, max_tokens)
+        assert out.output_ids == hf_greedy(target_hf, prompt, max_tokens, eos=False), f"turn {turn}"
+        cached.append(out.num_cached_prompt)
+        prompt = prompt + out.output_ids + [rng.randrange(1, EOS) for _ in range(rng.randrange(1, 9))]
+    return cached
+
+
+@pytest.mark.parametrize("drafter", [None, "weak", "ngram", "same"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_prefix_cache_across_turns_keeps_greedy_output(target_hf, target, weak_draft, drafter, k):
+    d = {"weak": weak_draft, "ngram": NgramDrafter()}.get(drafter, drafter)
+    engine = engine_with(target, d, k=k)
+    cached = conversation(target_hf, engine)
+    assert cached[0] == 0
+    # Turn 2's prompt starts with turn 1's prompt and output, whose full blocks (minus the last,
+    # never computed token) are reused: 23 + 12 - 1 = 34 tokens -> 8 blocks of 4.
+    assert cached[1] >= 32
+    assert cached[2] > cached[1]
+    assert engine.scheduler.prefix_cache.hit_tokens == sum(cached)
+    assert engine.blocks.num_cached_blocks > 0
+
+
+def test_prefix_cache_disabled_computes_everything(target_hf, target):
+    config = EngineConfig(num_speculative_tokens=2, max_model_len=128, adaptive_k=False)
+    engine = build_engine(target, NgramDrafter(), config, CacheConfig(block_size=4, enable_prefix_caching=False))
+    assert conversation(target_hf, engine) == [0, 0, 0]
+    assert engine.blocks.num_cached_blocks == 0
+
+
+def test_shared_system_prompt_is_computed_once(target_hf, target, weak_draft):
+    engine = engine_with(target, weak_draft, k=3, max_num_seqs=4)
+    rng = random.Random(5)
+    system = [rng.randrange(1, EOS) for _ in range(18)]  # 4 full blocks of 4 and 2 tokens
+    ps = [system + [rng.randrange(1, EOS) for _ in range(rng.randrange(1, 6))] for _ in range(5)]
+    assert run_one(engine, "first", ps[0], 8).num_cached_prompt == 0
+    for i, p in enumerate(ps[1:]):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=8, ignore_eos=True))
+    first_block = engine.blocks.match_prefix(system).blocks[0]
+    outs, max_sharers = {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out
+        max_sharers = max(max_sharers, engine.blocks.ref_count(first_block))
+    assert max_sharers == 4  # the four running requests read one copy of the system prompt
+    for i, p in enumerate(ps[1:]):
+        assert outs[f"r{i}"].output_ids == hf_greedy(target_hf, p, 8, eos=False)
+        assert outs[f"r{i}"].num_cached_prompt == 16
+    assert_all_released(engine)
+
+
+def test_eviction_under_tiny_block_budget_keeps_output(target_hf, target, weak_draft):
+    # 18 blocks of 4 hold one full-length sequence (64 + 3 + 1 tokens) and little else: conversations
+    # interleaved with unrelated prompts must evict cached blocks, least recently used first.
+    engine = engine_with(target, weak_draft, k=3, num_blocks=18, max_model_len=64, max_num_seqs=2)
+    for seed in range(3):
+        cached = conversation(target_hf, engine, turns=2, seed=seed, max_tokens=10)
+        assert cached[1] > 0
+        for i, p in enumerate(prompts(2, seed=seed + 10)):
+            out = run_one(engine, f"other{seed}-{i}", p, 10)
+            assert out.output_ids == hf_greedy(target_hf, p, 10, eos=False)
+    assert engine.blocks.num_evictions > 0
+
+
+def test_preemption_reuses_cached_blocks(target_hf, target, weak_draft):
+    engine = engine_with(target, weak_draft, k=3, num_blocks=24, max_model_len=90)
+    ps = prompts(4, seed=3)
+    outs = run(engine, ps, SamplingParams(max_tokens=40, ignore_eos=True))
+    assert engine.scheduler.num_preemptions > 0
+    for i, p in enumerate(ps):
+        assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)
+    assert_all_released(engine)
+
+
+def test_draft_cache_reuses_prefix_across_turns(target_hf, target):
+    engine = engine_with(target, "same", k=3)
+    drafter = engine.drafter
+    fed: list[int] = []
+    forward = drafter.runner.forward
+
+    def counting_forward(items):
+        fed.append(sum(len(it.token_ids) for it in items))
+        return forward(items)
+
+    drafter.runner.forward = counting_forward
+    first = run_one(engine, "t0", prompts(1, seed=9)[0], 12)
+    first_fed = sum(fed)
+    fed.clear()
+    prompt = prompts(1, seed=9)[0] + first.output_ids + [7]
+    second = run_one(engine, "t1", prompt, 12)
+    assert second.output_ids == hf_greedy(target_hf, prompt, 12, eos=False)
+    # Without reuse the draft would prefill the whole longer prompt again; with it only the tail.
+    assert drafter.blocks.num_cached_blocks > 0
+    assert sum(fed) < first_fed
+
+
+def test_cached_blocks_hold_exactly_their_tokens_kv(target, weak_draft):
+    """After every turn, each cached block's K/V equals a fresh prefill of the tokens it claims to hold.
+
+    A block registered with a rejected draft's K/V (or a never-computed last token) fails this at once,
+    even where the output happens not to change. Stop tokens end steps early, at a recovered token
+    whose slot still holds a rejected draft's K/V: the case that must never be cached."""
+    engine = engine_with(target, weak_draft, k=4)
+    stops = range(0, VOCAB, 5)
+    reference = engine_with(target, None, k=0)
+    rng = random.Random(2)
+    prompt = [rng.randrange(1, EOS) for _ in range(21)]
+    bs = engine.blocks.block_size
+    for turn in range(10):
+        out = run_one(engine, f"t{turn}", prompt, 13, stops)
+        history = prompt + out.output_ids
+        run_one(reference, f"ref{turn}", history, 1)  # prefills all of `history`, then caches its full blocks
+        ours, theirs = engine.blocks.match_prefix(history).blocks, reference.blocks.match_prefix(history).blocks
+        assert len(ours) >= (len(history) - 1) // bs and len(theirs) == len(history) // bs
+        for a, b in zip(ours, theirs, strict=False):
+            for (k_ours, v_ours), (k_ref, v_ref) in zip(
+                engine.runner.cache.layers, reference.runner.cache.layers, strict=True
+            ):
+                torch.testing.assert_close(k_ours[a], k_ref[b], atol=1e-4, rtol=1e-4)
+                torch.testing.assert_close(v_ours[a], v_ref[b], atol=1e-4, rtol=1e-4)
+        prompt = history + [rng.randrange(1, EOS) for _ in range(rng.randrange(1, 6))]
+    assert engine.stats.drafted_tokens > engine.stats.accepted_tokens  # drafts were rejected along the way
