@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.metrics import CallbackOptions, Observation
 
-from shared.telemetry import REQUEST_BUCKETS_S, STEP_BUCKETS_S, Telemetry, set_error
+from shared.telemetry import RequestLatency, Telemetry, observe, set_error
 
 
 @dataclass
@@ -34,9 +33,6 @@ class GatewayTelemetry:
     def __init__(self, telemetry: Telemetry, counters: Any) -> None:
         self.tracer = telemetry.tracer("specdec.gateway")
         meter = telemetry.meter("specdec.gateway")
-
-        def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], list[Observation]]:
-            return lambda _options: [Observation(read())]
 
         meter.create_observable_gauge(
             "specdec_gateway_requests_active",
@@ -55,24 +51,8 @@ class GatewayTelemetry:
         )
         self.prompt_tokens = meter.create_counter("specdec_gateway_prompt_tokens", unit="{token}")
         self.completion_tokens = meter.create_counter("specdec_gateway_completion_tokens", unit="{token}")
-        self.ttft = meter.create_histogram(
-            "specdec_gateway_time_to_first_token_seconds",
-            unit="s",
-            description="request arrival at the gateway to its first streamed tokens",
-            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
-        )
-        self.itl = meter.create_histogram(
-            "specdec_gateway_inter_token_latency_seconds",
-            unit="s",
-            description="gap between streamed chunks divided by the tokens they carry (one record per chunk)",
-            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
-        )
-        self.e2e = meter.create_histogram(
-            "specdec_gateway_e2e_request_latency_seconds",
-            unit="s",
-            description="request arrival at the gateway to its last chunk",
-            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
-        )
+        latency = RequestLatency.create(meter, "specdec_gateway_", "gateway")
+        self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
 
     def request_started(self, request_id: str, session_id: str) -> GatewayRequestTrace:
         span = self.tracer.start_span(

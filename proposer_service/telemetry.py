@@ -10,15 +10,13 @@ the network time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
 from typing import Any
 
 import grpc
 from opentelemetry import trace
-from opentelemetry.metrics import CallbackOptions, Observation
 
 from shared.proto_gen.specdec.v1 import proposer_pb2
-from shared.telemetry import STEP_BUCKETS_S, Telemetry, extract_context, set_error
+from shared.telemetry import STEP_BUCKETS_S, Telemetry, extract_context, observe, set_error
 
 
 class ProposerTelemetry:
@@ -26,9 +24,6 @@ class ProposerTelemetry:
         self.tracing = telemetry.tracing
         self.tracer = telemetry.tracer("specdec.proposer")
         meter = telemetry.meter("specdec.proposer")
-
-        def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
-            return lambda _options: [Observation(read())]
 
         meter.create_observable_counter(
             "specdec_proposer_messages",

@@ -22,11 +22,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, Resource
@@ -253,3 +254,44 @@ def set_error(span: trace.Span, code: Any, message: str) -> None:
 
     span.set_attribute("rpc.grpc.status_code", code.value[0])
     span.set_status(Status(StatusCode.ERROR, f"{code.name}: {message}"))
+
+
+def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    """A callback for an observable instrument that reports one current value."""
+
+    def callback(_options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(read())]
+
+    return callback
+
+
+@dataclass(frozen=True)
+class RequestLatency:
+    """The per-request latency histograms a streaming hop records (gateway and verifier alike)."""
+
+    ttft: Any
+    itl: Any
+    e2e: Any
+
+    @staticmethod
+    def create(meter: Any, prefix: str, where: str) -> RequestLatency:
+        def histogram(name: str, description: str, buckets: tuple[float, ...]) -> Any:
+            return meter.create_histogram(
+                f"{prefix}{name}", unit="s", description=description, explicit_bucket_boundaries_advisory=buckets
+            )
+
+        return RequestLatency(
+            ttft=histogram(
+                "time_to_first_token_seconds",
+                f"request arrival at the {where} to its first streamed tokens",
+                REQUEST_BUCKETS_S,
+            ),
+            itl=histogram(
+                "inter_token_latency_seconds",
+                "gap between streamed messages divided by the tokens they carry (one record per message)",
+                STEP_BUCKETS_S,
+            ),
+            e2e=histogram(
+                "e2e_request_latency_seconds", f"request arrival at the {where} to its last token", REQUEST_BUCKETS_S
+            ),
+        )

@@ -26,9 +26,9 @@ from typing import Any
 import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import Observation
 
-from shared.telemetry import REQUEST_BUCKETS_S, STEP_BUCKETS_S, Telemetry, set_error
+from shared.telemetry import STEP_BUCKETS_S, RequestLatency, Telemetry, observe, set_error
 from verifier_service.engine import Engine, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.scheduler import ScheduledSeq
@@ -88,10 +88,10 @@ class VerifierTelemetry:
         engine, stats = self.engine, self.engine.stats
 
         def counter(name: str, description: str, read: Callable[[], float], unit: str = "{token}") -> None:
-            meter.create_observable_counter(name, [_single(read)], unit=unit, description=description)
+            meter.create_observable_counter(name, [observe(read)], unit=unit, description=description)
 
         def gauge(name: str, description: str, read: Callable[[], float], unit: str = "1") -> None:
-            meter.create_observable_gauge(name, [_single(read)], unit=unit, description=description)
+            meter.create_observable_gauge(name, [observe(read)], unit=unit, description=description)
 
         counter("specdec_drafted_tokens", "draft tokens scored by the target", lambda: stats.drafted_tokens)
         counter("specdec_accepted_tokens", "draft tokens accepted", lambda: stats.accepted_tokens)
@@ -210,24 +210,8 @@ class VerifierTelemetry:
             "minus the proposer's own time)",
             explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
         )
-        self.ttft = meter.create_histogram(
-            "specdec_time_to_first_token_seconds",
-            unit="s",
-            description="arrival at the verifier to the first streamed tokens",
-            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
-        )
-        self.itl = meter.create_histogram(
-            "specdec_inter_token_latency_seconds",
-            unit="s",
-            description="gap between streamed updates divided by the tokens they carry (one record per update)",
-            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
-        )
-        self.e2e = meter.create_histogram(
-            "specdec_e2e_request_latency_seconds",
-            unit="s",
-            description="arrival at the verifier to the last token",
-            explicit_bucket_boundaries_advisory=REQUEST_BUCKETS_S,
-        )
+        latency = RequestLatency.create(meter, "specdec_", "verifier")
+        self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
         self._phase_attrs = {p: {"phase": p} for p in (*PHASES, "network")}
 
     def _acceptance_by_position(self) -> Iterable[Observation]:
@@ -420,13 +404,6 @@ class VerifierTelemetry:
                 req.num_steps += 1
                 for phase, seconds in times.items():
                     req.phase_seconds[phase] += seconds
-
-
-def _single(read: Callable[[], float]) -> Callable[[CallbackOptions], Iterable[Observation]]:
-    def callback(_options: CallbackOptions) -> Iterable[Observation]:
-        return [Observation(read())]
-
-    return callback
 
 
 def _by_position(counts: list[int]) -> Iterable[Observation]:
