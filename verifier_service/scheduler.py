@@ -67,6 +67,7 @@ class Scheduler:
         self.prefix_cache = PrefixCacheStats()
         self.cost_ratio = CostRatio()  # measured by the engine
         self.scoring_cost = ScoringCost()  # measured by the engine
+        self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -83,6 +84,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSeq]:
+        self.num_steps += 1
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in self.running:  # what the last step committed becomes reusable
@@ -116,10 +118,10 @@ class Scheduler:
         cost = self.cost_ratio.value + self.scoring_cost.per_draft(len(self.running))
         k = best_draft_length(seq.acceptance.alpha, k_max, cost)
         if k > 0:
-            seq.acceptance.steps_at_zero = 0
             return k
-        seq.acceptance.steps_at_zero += 1
-        return 1 if seq.acceptance.steps_at_zero % self.config.probe_interval == 0 else 0
+        # Every sequence at k = 0 probes on the same step: one batched drafter call per interval instead
+        # of one on most steps when each sequence keeps its own phase.
+        return 1 if self.num_steps % self.config.probe_interval == 0 else 0
 
     def _schedule_running(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         num_feed = min(seq.num_uncomputed, budget)

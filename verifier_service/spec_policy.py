@@ -4,7 +4,8 @@ With per-token acceptance rate `alpha` and a draft position costing `cost_ratio`
 a round with k drafts emits (1 - alpha^(k+1)) / (1 - alpha) tokens on average for 1 + k * cost_ratio
 target-forward units (Leviathan et al. 2023, eq. 1 and theorem 3.8). The policy picks the k that
 maximises that ratio per sequence; k = 0 (plain decoding) wins when the draft is weak. A sequence at
-k = 0 learns nothing about its acceptance, so every `probe_interval` steps it drafts once at k = 1.
+k = 0 learns nothing about its acceptance, so every `probe_interval` steps it drafts once at k = 1
+(all such sequences on the same step, so the drafter runs once per interval for all of them).
 
 A draft position costs twice: the drafter's time to propose it (`CostRatio`) and the target's time to
 score one more query token (`ScoringCost`). The paper counts only the first, because on a GPU scoring
@@ -36,7 +37,6 @@ class AcceptanceEstimate:
 
     alpha: float = 0.5  # an agnostic prior: try drafting, then learn
     weight: float = 0.15
-    steps_at_zero: int = 0
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.

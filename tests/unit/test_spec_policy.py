@@ -82,3 +82,25 @@ def test_scoring_cost_switches_a_middling_draft_off():
     each scored token adds a quarter of a step (a CPU's v_1 = 1.25)."""
     assert best_draft_length(0.3, 4, 0.1) > 0
     assert best_draft_length(0.3, 4, 0.1 + 0.25) == 0
+
+
+def test_sequences_at_k0_probe_on_the_same_step():
+    """A hopeless draft is off, except one k = 1 probe every `probe_interval` steps, taken by all such
+    sequences together so the drafter runs once per interval rather than on most steps."""
+    from shared.kv.block_manager import BlockManager
+    from shared.sampling import SamplingParams
+    from verifier_service.scheduler import Scheduler, SchedulerConfig
+    from verifier_service.sequence import Sequence
+
+    config = SchedulerConfig(num_speculative_tokens=4, adaptive_k=True, probe_interval=4)
+    scheduler = Scheduler(config, BlockManager(8, 4))
+    seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=50), i, tokens=[1, 2, 3]) for i in range(3)]
+    for seq in seqs:
+        seq.acceptance.alpha = 0.0
+    ks = []
+    for step in range(1, 9):
+        scheduler.num_steps = step
+        ks.append([scheduler.draft_length(seq) for seq in seqs])
+    assert ks == [[0, 0, 0]] * 3 + [[1, 1, 1]] + [[0, 0, 0]] * 3 + [[1, 1, 1]]
+    seqs[0].acceptance.alpha = 0.9  # a draft that works is used at every step, at full length
+    assert scheduler.draft_length(seqs[0]) == 4
