@@ -622,7 +622,7 @@ cost ratio. The formula as written assumes the target scores k+1 tokens in the t
 a GPU at small batch, where a forward is bound by reading the weights; on this CPU the matrix products of k+1
 rows are compute-bound and v_k, measured above, is well over 1, so the second prediction, with measured v_k
 in place of 1, is the one that isolates the engine's own overhead (the target's intent: the engine adds
-little of its own). Both are reported. With 2 runs the median is the mean of the two."""
+little of its own). Both are reported. With an even number of runs the median is the mean of the middle two."""
 
 
 def write_report(path: Path, section: str) -> None:
