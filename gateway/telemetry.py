@@ -18,7 +18,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from shared.telemetry import RequestLatency, Telemetry, observe, set_error
+from shared.telemetry import RequestLatency, Telemetry, observable_counter, observable_gauge, set_error
 
 
 @dataclass
@@ -34,17 +34,19 @@ class GatewayTelemetry:
         self.tracer = telemetry.tracer("specdec.gateway")
         meter = telemetry.meter("specdec.gateway")
 
-        meter.create_observable_gauge(
+        observable_gauge(
+            meter,
             "specdec_gateway_requests_active",
-            [observe(lambda: counters.active_requests)],
-            unit="{request}",
-            description="requests being served",
+            "requests being served",
+            lambda: counters.active_requests,
+            "{request}",
         )
-        meter.create_observable_counter(
+        observable_counter(
+            meter,
             "specdec_gateway_resumes",
-            [observe(lambda: counters.resumed_requests)],
-            unit="{request}",
-            description="requests resumed on another verifier after theirs failed",
+            "requests resumed on another verifier after theirs failed",
+            lambda: counters.resumed_requests,
+            "{request}",
         )
         self.requests = meter.create_counter(
             "specdec_gateway_requests", unit="{request}", description="requests ended, by gRPC status code"

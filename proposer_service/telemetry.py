@@ -16,7 +16,14 @@ import grpc
 from opentelemetry import trace
 
 from shared.proto_gen.specdec.v1 import proposer_pb2
-from shared.telemetry import STEP_BUCKETS_S, Telemetry, extract_context, observe, set_error
+from shared.telemetry import (
+    STEP_BUCKETS_S,
+    Telemetry,
+    extract_context,
+    observable_counter,
+    observable_gauge,
+    set_error,
+)
 
 
 class ProposerTelemetry:
@@ -25,17 +32,19 @@ class ProposerTelemetry:
         self.tracer = telemetry.tracer("specdec.proposer")
         meter = telemetry.meter("specdec.proposer")
 
-        meter.create_observable_counter(
+        observable_counter(
+            meter,
             "specdec_proposer_messages",
-            [observe(lambda: servicer.messages)],
-            unit="{message}",
-            description="propose messages answered (one per verifier step that drafts)",
+            "propose messages answered (one per verifier step that drafts)",
+            lambda: servicer.messages,
+            "{message}",
         )
-        meter.create_observable_gauge(
+        observable_gauge(
+            meter,
             "specdec_proposer_open_streams",
-            [observe(lambda: servicer.open_streams)],
-            unit="{stream}",
-            description="open Propose streams (one per connected verifier)",
+            "open Propose streams (one per connected verifier)",
+            lambda: servicer.open_streams,
+            "{stream}",
         )
         self.proposed_tokens = meter.create_counter(
             "specdec_proposer_draft_tokens", unit="{token}", description="draft tokens proposed"

@@ -265,6 +265,16 @@ def observe(read: Callable[[], float]) -> Callable[[CallbackOptions], Iterable[O
     return callback
 
 
+def observable_counter(meter: Any, name: str, description: str, read: Callable[[], float], unit: str) -> None:
+    """A monotonic counter whose value is read from the service's own state at each collection."""
+    meter.create_observable_counter(name, [observe(read)], unit=unit, description=description)
+
+
+def observable_gauge(meter: Any, name: str, description: str, read: Callable[[], float], unit: str) -> None:
+    """A gauge whose value is read from the service's own state at each collection."""
+    meter.create_observable_gauge(name, [observe(read)], unit=unit, description=description)
+
+
 @dataclass(frozen=True)
 class RequestLatency:
     """The per-request latency histograms a streaming hop records (gateway and verifier alike)."""

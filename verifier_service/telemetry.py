@@ -28,7 +28,14 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.metrics import Observation
 
-from shared.telemetry import STEP_BUCKETS_S, RequestLatency, Telemetry, observe, set_error
+from shared.telemetry import (
+    STEP_BUCKETS_S,
+    RequestLatency,
+    Telemetry,
+    observable_counter,
+    observable_gauge,
+    set_error,
+)
 from verifier_service.engine import Engine, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.scheduler import ScheduledSeq
@@ -88,10 +95,10 @@ class VerifierTelemetry:
         engine, stats = self.engine, self.engine.stats
 
         def counter(name: str, description: str, read: Callable[[], float], unit: str = "{token}") -> None:
-            meter.create_observable_counter(name, [observe(read)], unit=unit, description=description)
+            observable_counter(meter, name, description, read, unit)
 
         def gauge(name: str, description: str, read: Callable[[], float], unit: str = "1") -> None:
-            meter.create_observable_gauge(name, [observe(read)], unit=unit, description=description)
+            observable_gauge(meter, name, description, read, unit)
 
         counter("specdec_drafted_tokens", "draft tokens scored by the target", lambda: stats.drafted_tokens)
         counter("specdec_accepted_tokens", "draft tokens accepted", lambda: stats.accepted_tokens)
