@@ -57,10 +57,14 @@ class ScoringCost:
         self.window = window
         self.max_counts = max_counts
         self.samples: dict[int, deque[float]] = {}  # query tokens in the step -> recent step seconds
+        # The fit changes only with a new sample; the scheduler reads it once per decoding sequence per step.
+        self._line: tuple[float, float] | None = None
+        self._line_stale = False
 
     def update(self, query_tokens: int, seconds: float) -> None:
         if seconds <= 0:
             return
+        self._line_stale = True
         times = self.samples.pop(query_tokens, None) or deque(maxlen=self.window)
         times.append(seconds)
         self.samples[query_tokens] = times  # re-inserted: the dict's order is least recently seen first
@@ -70,7 +74,9 @@ class ScoringCost:
     def per_draft(self, num_seqs: int) -> float:
         """Extra step time when each of `num_seqs` decoding sequences scores one more draft token,
         relative to the step without drafts."""
-        line = self._fit()
+        if self._line_stale:
+            self._line, self._line_stale = self._fit(), False
+        line = self._line
         if line is None or num_seqs <= 0:
             return 0.0
         base, per_token = line
