@@ -21,8 +21,6 @@ SPECDEC_CACHE_DIR and the model location variables pass through unchanged; other
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import signal
 import socket
@@ -73,10 +71,22 @@ def service_env() -> dict[str, str]:
     return env
 
 
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the pytest process dies, so no service outlives a killed run."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+# The death signal is set by this wrapper, which then execs the service, rather than by a preexec_fn:
+# a preexec_fn makes subprocess fork() (not vfork) and run gRPC's at-fork handlers in the child. With gRPC
+# threads alive in pytest (the OTLP receiver, stats channels) the child's restarted poller then raced
+# close_fds and aborted the service before exec ("epoll_wait error: Bad file descriptor", SIGABRT in CI).
+# argv: expected parent pid, program, args. Exits at once if that parent is already gone.
+_DIE_WITH_PARENT = (
+    "import ctypes, os, sys; ctypes.CDLL(None, use_errno=True).prctl(1, 15); "  # PR_SET_PDEATHSIG, SIGTERM
+    "os.getppid() == int(sys.argv[1]) or sys.exit(1); os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def die_with_parent(argv: list[str]) -> list[str]:
+    """argv wrapped so that the process gets SIGTERM when the pytest process dies (Linux only)."""
+    if not sys.platform.startswith("linux"):
+        return argv
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *argv]
 
 
 def command(script: str) -> list[str]:
@@ -106,13 +116,12 @@ class Service:
     def start(self) -> None:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 (closed in stop)
         self.proc = subprocess.Popen(
-            [*command(self.script), *self.args],
+            die_with_parent([*command(self.script), *self.args]),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             env=service_env(),
             cwd=Path(__file__).resolve().parents[2],
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None,
         )
 
     def alive(self) -> bool:
