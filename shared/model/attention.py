@@ -9,7 +9,7 @@ queries and plain decode in one call, and matches flash-attn's bottom-right caus
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,21 @@ class AttentionMetadata:
     max_query_len: int
     query_pad_index: torch.Tensor | None  # [T] int64: row of each token in the padded [B * max_query_len]
     attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def grouped_mask(self, group: int) -> torch.Tensor:
+        """attn_mask with every query row repeated for the `group` query heads stacked on one KV head:
+        [B, 1, group * max_query_len, L]. Built on the first layer's call and reused by the others."""
+        if group == 1:
+            return self.attn_mask
+        mask = self._grouped_masks.get(group)
+        if mask is None:
+            mask = self._grouped_masks[group] = self.attn_mask.repeat(1, 1, group, 1)
+        return mask
 
 
 def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -92,13 +103,13 @@ def _pad_queries(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [
     if meta.query_pad_index is None:
         return x.unsqueeze(0)
     padded = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
-    padded[meta.query_pad_index] = x
+    padded.index_copy_(0, meta.query_pad_index, x)  # index_put_ (padded[index] = x) was 10x slower on CPU
     return padded.view(meta.num_seqs, meta.max_query_len, *x.shape[1:])
 
 
 def _unpad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [B, Qmax, H, D] -> [T, H, D]
     flat = x.reshape(-1, *x.shape[2:])
-    return flat if meta.query_pad_index is None else flat[meta.query_pad_index]
+    return flat if meta.query_pad_index is None else flat.index_select(0, meta.query_pad_index)
 
 
 class TorchPagedAttention:
@@ -117,7 +128,7 @@ class TorchPagedAttention:
         group = q.shape[1] // kv_heads  # query heads per KV head
         queries = _pad_queries(q, meta).view(batch, q_len, kv_heads, group, head_dim)
         queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * q_len, head_dim)
-        mask = meta.attn_mask if group == 1 else meta.attn_mask.repeat(1, 1, group, 1)  # [B, 1, group*Qmax, L]
+        mask = meta.grouped_mask(group)  # [B, 1, group * Qmax, L]
         out = F.scaled_dot_product_attention(
             queries,
             _gather(k_cache, meta.block_tables),  # [B, kv_heads, L, D]
