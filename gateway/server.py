@@ -32,6 +32,7 @@ from shared.grpc_server import (
     set_serving,
     setup_logging,
 )
+from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.telemetry import Telemetry, setup_telemetry
 
@@ -149,6 +150,7 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_gateway_config(argv)
     setup_logging(config.log_level)
+    tune_malloc()
     asyncio.run(serve(config))
 
 

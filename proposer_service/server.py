@@ -29,6 +29,7 @@ from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
@@ -500,6 +501,7 @@ async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], Non
 def main(argv: list[str] | None = None) -> None:
     config = load_config(ProposerConfig, argv)
     setup_logging(config.log_level)
+    tune_malloc()
     asyncio.run(serve(config))
 
 

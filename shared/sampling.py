@@ -67,6 +67,8 @@ def logits_to_probs(
 ) -> torch.Tensor:  # [n, vocab] fp32, rows sum to 1
     logits = logits.float()
     greedy = temperature == 0
+    if bool(greedy.all()):  # the common greedy batch: no softmax over the vocabulary to throw away
+        return _argmax_one_hot(logits)
     # Greedy rows use temperature 1 here and are replaced by one-hot rows at the end.
     scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
 
@@ -76,11 +78,14 @@ def logits_to_probs(
     probs = torch.softmax(scaled, dim=-1)
 
     if bool(greedy.any()):
-        # argmax picks the first maximal index, as transformers' greedy search does.
-        one_hot = torch.zeros_like(probs)
-        one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy.unsqueeze(-1), one_hot, probs)
+        probs = torch.where(greedy.unsqueeze(-1), _argmax_one_hot(logits), probs)
     return probs
+
+
+def _argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n, vocab] fp32
+    # argmax picks the first maximal index, as transformers' greedy search does.
+    one_hot = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
 def _truncate(

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from shared.kv.block_manager import BlockManager
+from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.loader import (
@@ -492,7 +493,7 @@ def _fmt(value, spec: str, default: str = "—") -> str:
     return default if value is None else format(value, spec)
 
 
-def machine_info() -> dict:
+def machine_info(malloc_tuned: bool) -> dict:
     cpu = "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -508,6 +509,7 @@ def machine_info() -> dict:
         "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+        "malloc": "glibc thresholds fixed (shared/malloc_tuning.py)" if malloc_tuned else "glibc defaults",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
@@ -523,8 +525,8 @@ def render(summary: dict, meta: dict) -> str:
         + (" (**--quick smoke run: 1 run, short outputs; not a measurement**)" if meta["quick"] else ""),
         f"- Command: `{meta['command']}`",
         f"- Machine: {m['cpu']}, {m['cores']} cores available, torch threads {m['torch_threads']}, "
-        f"OMP_WAIT_POLICY={m['omp_wait_policy']}, torch {m['torch']}, transformers {m['transformers']}, "
-        f"Python {m['python']}; "
+        f"OMP_WAIT_POLICY={m['omp_wait_policy']}, malloc: {m['malloc']}, torch {m['torch']}, "
+        f"transformers {m['transformers']}, Python {m['python']}; "
         f"load average at start / end: {meta['load_start']} / {meta['load_end']} (the machine is shared)",
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
         f"- Work per configuration and run: {meta['max_tokens']} new tokens per sequence (forced: EOS ignored), "
@@ -683,6 +685,7 @@ def main(argv: list[str] | None = None) -> int:
         threads=args.threads,
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    malloc_tuned = tune_malloc()  # as the services do; for the whole process, transformers rows included
     torch.set_num_threads(plan.threads)
     torch.manual_seed(0)
     log = Progress()
@@ -705,7 +708,7 @@ def main(argv: list[str] | None = None) -> int:
         "runtime_s": runtime,
         "quick": args.quick,
         "command": command.strip(),
-        "machine": machine_info(),
+        "machine": machine_info(malloc_tuned),
         "load_start": load_start,
         "load_end": _load_average(),
         "target": target_name,

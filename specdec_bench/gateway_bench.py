@@ -45,6 +45,7 @@ import grpc
 import numpy as np
 
 from gateway.health_probe import check_once
+from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
@@ -696,6 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         batch1_prompts=args.batch1_prompts or (1 if args.quick else 2),
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    malloc_tuned = tune_malloc()  # as in the services it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
@@ -747,7 +749,7 @@ def main(argv: list[str] | None = None) -> int:
         "runtime_s": runtime,
         "quick": args.quick,
         "command": command.strip(),
-        "machine": machine_info(),
+        "machine": machine_info(malloc_tuned),
         "load_start": load_start,
         "load_end": _load_average(),
         "target": target_name,

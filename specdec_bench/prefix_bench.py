@@ -30,6 +30,7 @@ from pathlib import Path
 
 import grpc
 
+from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from specdec_bench.engine_bench import NUM_THREADS, _load_average, machine_info
@@ -194,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--logs", default="", help="folder for the service logs (default: a temporary one)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    malloc_tuned = tune_malloc()  # as in the services it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     started = time.perf_counter()
 
@@ -227,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "runtime_s": time.perf_counter() - started,
         "command": "python -m specdec_bench.prefix_bench" + ("" if argv is not None else " " + " ".join(sys.argv[1:])),
-        "machine": machine_info(),
+        "machine": machine_info(malloc_tuned),
         "load_start": load_start,
         "load_end": _load_average(),
         "target": target,

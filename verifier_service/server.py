@@ -20,6 +20,7 @@ import grpc
 from shared.config import load_config
 from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
@@ -444,6 +445,7 @@ async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], Non
 def main(argv: list[str] | None = None) -> None:
     config = load_config(VerifierConfig, argv)
     setup_logging(config.log_level)
+    tune_malloc()
     asyncio.run(serve(config))
 
 
