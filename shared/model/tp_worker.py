@@ -33,8 +33,10 @@ def _watch_parent(parent_pid: int) -> None:
 
 
 def main() -> int:
+    from shared.malloc_tuning import tune_malloc
     from shared.model import tp_group
 
+    tune_malloc()  # as rank 0's service process does
     rank = int(os.environ[tp_group.ENV_RANK])
     world_size = int(os.environ[tp_group.ENV_WORLD_SIZE])
     port = int(os.environ[tp_group.ENV_STORE_PORT])
