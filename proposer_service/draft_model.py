@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from proposer_service.drafter import Draft, DraftRequest, SequenceHistory, SparseProbs
+from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors

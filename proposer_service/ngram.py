@@ -7,7 +7,7 @@ lookup costs O(n) rather than a scan of the sequence.
 
 from __future__ import annotations
 
-from proposer_service.drafter import Draft, DraftRequest, SequenceHistory
+from shared.drafting import Draft, DraftRequest, SequenceHistory
 
 
 class NgramDrafter:

@@ -24,9 +24,9 @@ from pathlib import Path
 import grpc
 
 from proposer_service.config import ProposerConfig
-from proposer_service.drafter import Draft, Drafter, DraftRequest
 from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
+from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc

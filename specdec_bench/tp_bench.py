@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from proposer_service.draft_model import DraftModelDrafter
-from proposer_service.drafter import DraftRequest
+from shared.drafting import DraftRequest
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tp_group import RankSpec, default_threads_per_rank, launch_tp_runner

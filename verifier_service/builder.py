@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from proposer_service.draft_model import DraftModelDrafter
-from proposer_service.drafter import Drafter
 from proposer_service.ngram import NgramDrafter
+from shared.drafting import Drafter
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.config import ModelArch

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from proposer_service.drafter import Draft, Drafter, DraftRequest, SparseProbs
+from shared.drafting import Draft, Drafter, DraftRequest, SparseProbs
 from shared.errors import InvalidRequestError, QueueFullError
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from proposer_service.drafter import Draft, DraftRequest, SparseProbs
+from shared.drafting import Draft, DraftRequest, SparseProbs
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams

@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from proposer_service.drafter import Drafter
 from proposer_service.ngram import NgramDrafter
+from shared.drafting import Drafter
 from shared.sampling import SamplingParams
 from tests.real_models import MAX_NEW_TOKENS
 from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter

@@ -20,10 +20,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from proposer_service.config import ProposerConfig
 from proposer_service.draft_model import DraftModelDrafter
-from proposer_service.drafter import Draft, DraftRequest
 from proposer_service.ngram import NgramDrafter
 from proposer_service.server import ProposerInfo, ProposerServer, pack_draft
 from shared.config import load_config
+from shared.drafting import Draft, DraftRequest
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
@@ -300,7 +300,7 @@ def test_ngram_kind_drafts_the_continuation():
 def test_pack_unpack_round_trip_is_exact():
     probs = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float32)
     ids = torch.tensor([[7, 3, 9, 0], [1, 2, 3, 4]])
-    from proposer_service.drafter import SparseProbs
+    from shared.drafting import SparseProbs
 
     draft = Draft("q", 11, [3, 4], SparseProbs(ids, probs))
     msg = pack_draft("q", draft)

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from proposer_service.drafter import DraftRequest
+from shared.drafting import DraftRequest
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from tests.tiny import hf_greedy, ours, tiny_hf_model
 from verifier_service.builder import CacheConfig, make_draft_model_drafter

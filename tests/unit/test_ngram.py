@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import random
 
-from proposer_service.drafter import DraftRequest
 from proposer_service.ngram import NgramDrafter
+from shared.drafting import DraftRequest
 
 
 def propose(drafter: NgramDrafter, seq_id: str, tokens: list[int], sent: int, k: int):
