@@ -22,6 +22,10 @@ class DraftRequest:
     new_token_ids: list[int]  # committed since the last request for this sequence (all of them on first contact)
     k: int
     params: SamplingParams = field(default_factory=SamplingParams)
+    # The target's final hidden states at committed positions feature_start.. that the drafter has not been
+    # sent yet; only for drafters whose `needs_target_features` is True (EAGLE heads), None otherwise.
+    features: torch.Tensor | None = None  # [m, hidden]
+    feature_start: int = 0
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,9 @@ class Draft:
 
 
 class Drafter(Protocol):
+    """A drafter may also have `needs_target_features = True`: the engine then keeps the target's hidden
+    states of every computed position and sends them along (`DraftRequest.features`)."""
+
     def propose(self, requests: list[DraftRequest]) -> list[Draft]: ...
 
     def release(self, seq_ids: list[str]) -> None: ...
@@ -65,3 +72,39 @@ class SequenceHistory:
 
     def release(self, seq_id: str) -> None:
         self.tokens.pop(seq_id, None)
+
+
+class FeatureStore:
+    """The target's final hidden states of one sequence's positions [start, end), in order (verifier and
+    EAGLE drafter alike).
+
+    Positions whose K/V came from the verifier's prefix cache were never computed and have none: features
+    then start later than 0 (the drafter fills what it lacks itself). A recompute after preemption overlaps
+    positions already held and adds nothing for them."""
+
+    def __init__(self) -> None:
+        self.start = 0
+        self.end = 0
+        self._chunks: list[torch.Tensor] = []
+
+    def add(self, position: int, hidden: torch.Tensor) -> None:  # hidden [n, hidden] at position..position+n-1
+        if not self._chunks or position > self.end:  # the first ones, or a gap: what came before is no use
+            self.start = self.end = position
+            self._chunks = []
+        skip = self.end - position
+        if skip < hidden.shape[0]:
+            self._chunks.append(hidden[skip:])
+            self.end += hidden.shape[0] - skip
+
+    def since(self, position: int) -> tuple[int, torch.Tensor | None]:
+        """(first position, features [end - first, hidden]) from `position` on, or (end, None)."""
+        first = max(position, self.start)
+        if first >= self.end:
+            return self.end, None
+        if len(self._chunks) > 1:
+            self._chunks = [torch.cat(self._chunks)]
+        return first, self._chunks[0][first - self.start :]
+
+    def get(self, first: int, end: int) -> torch.Tensor:  # [end - first, hidden]; start <= first <= end <= .end
+        self.since(first)  # joins the chunks
+        return self._chunks[0][first - self.start : end - self.start]

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from shared.drafting import Draft, Drafter, DraftRequest, SparseProbs
+from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore, SparseProbs
 from shared.errors import InvalidRequestError, QueueFullError
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
@@ -85,6 +85,7 @@ class RequestOutput:
     prompt_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
+    features: FeatureStore | None = None  # on the finishing output, when the engine captures features
 
     @property
     def finished(self) -> bool:
@@ -129,6 +130,8 @@ class Engine:
         self._arrivals = itertools.count()
         # Telemetry hooks (verifier_service/telemetry.py), called from step(); None costs nothing.
         self.observer: StepObserver | None = None
+        # Keep every sequence's target hidden states even without a drafter that reads them (the trainer).
+        self.capture_features = False
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -179,6 +182,11 @@ class Engine:
 
     # ---- the step -------------------------------------------------------------------------------
 
+    @property
+    def keeps_features(self) -> bool:
+        """Hidden states cost a copy per step, so only a drafter that reads them (EAGLE) or the trainer asks."""
+        return self.capture_features or bool(getattr(self.drafter, "needs_target_features", False))
+
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
         if not batch:
@@ -192,7 +200,12 @@ class Engine:
         if observer is not None:
             observer.propose_finished(proposed)
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
-        logits = self.runner.forward(items)  # per sequence [num_logits, vocab]
+        hidden: list[torch.Tensor | None]
+        if self.keeps_features:
+            logits, hidden_states = self.runner.forward_with_hidden(items)  # per sequence [num_tokens, hidden]
+            hidden = list(hidden_states)
+        else:
+            logits, hidden = self.runner.forward(items), [None] * len(items)  # logits: [num_logits, vocab]
         scored = time.perf_counter()
         self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
@@ -200,15 +213,29 @@ class Engine:
         verified = time.perf_counter()
         self.stats.steps += 1
         outputs = []
-        for s in batch:
-            if not s.samples:
-                s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
-                self._rollback_blocks(s.seq)
-        for (s, draft, _), tokens in zip(sampling, emitted, strict=True):
+        sampled_hidden = []
+        for s, h in zip(batch, hidden, strict=True):
+            if s.samples:
+                sampled_hidden.append(h)
+                continue
+            self._keep_features(s.seq, h, s.num_feed)
+            s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
+            self._rollback_blocks(s.seq)
+        for (s, draft, _), tokens, h in zip(sampling, emitted, sampled_hidden, strict=True):
+            self._keep_features(s.seq, h, s.num_feed + len(tokens) - 1)  # fed tokens and accepted drafts
             outputs.append(self._commit(s, draft, tokens))
         if observer is not None:
             observer.step_finished(outputs, start, proposed, scored, verified)
         return outputs
+
+    @staticmethod
+    def _keep_features(seq: Sequence, hidden: torch.Tensor | None, num_valid: int) -> None:
+        """Features of the positions this step computed for good (fed tokens and accepted drafts)."""
+        if hidden is None:
+            return
+        if seq.features is None:
+            seq.features = FeatureStore()
+        seq.features.add(seq.num_computed, hidden[:num_valid])
 
     def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
         if drafts:
@@ -225,12 +252,17 @@ class Engine:
         for s in scheduled:
             seq = s.seq
             new = seq.tokens[seq.num_sent_to_proposer :]
-            requests.append(DraftRequest(seq.seq_id, len(seq.tokens), new, s.k, seq.params))
+            feature_start, features = 0, None
+            if seq.features is not None and self.keeps_features:
+                feature_start, features = seq.features.since(seq.num_features_sent)
+                seq.num_features_sent = seq.features.end
+            requests.append(DraftRequest(seq.seq_id, len(seq.tokens), new, s.k, seq.params, features, feature_start))
             seq.num_sent_to_proposer = len(seq.tokens)
         drafts = {}
         for s, draft in zip(scheduled, self.drafter.propose(requests), strict=True):
             if draft.needs_resync:
                 s.seq.num_sent_to_proposer = 0
+                s.seq.num_features_sent = 0
             if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
                 self.stats.stale_drafts += 1  # built on another prefix: never applied
                 continue
@@ -315,6 +347,7 @@ class Engine:
         out.num_cached_prompt = seq.num_cached_prompt or 0
         if seq.is_finished:
             out.output_ids = seq.output_ids
+            out.features = seq.features
             self.seqs.pop(seq.seq_id, None)
             self._release(seq)
         else:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.drafting import FeatureStore
 from shared.sampling import SamplingParams
 from verifier_service.spec_policy import AcceptanceEstimate
 
@@ -34,6 +35,8 @@ class Sequence:
     num_accepted: int = 0
     num_sent_to_proposer: int = 0  # committed tokens the proposer has seen
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
+    features: FeatureStore | None = None  # kept only when the drafter reads them (EAGLE)
+    num_features_sent: int = 0  # positions whose features the proposer has been sent
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
@@ -51,3 +54,4 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
+

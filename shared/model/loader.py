@@ -89,10 +89,7 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
         return load_hf_model(source.name_or_path).state_dict()
     from safetensors.torch import load_file, save_file
 
-    gguf = Path(source.name_or_path) / source.gguf_file
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    cached = cache_dir() / f"{gguf.stem}-{key}.safetensors"
+    cached = _gguf_cache_path(source)
     if cached.is_file():
         return load_file(str(cached))
     state = {k: v.contiguous() for k, v in load_hf_model(str(gguf)).state_dict().items() if k != "lm_head.weight"}
@@ -104,6 +101,39 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     except OSError as err:  # a read-only cache only costs time
         log.warning("could not cache de-quantised GGUF weights at %s: %s", cached, err)
     return state
+
+
+def _gguf_cache_path(source: ModelSource) -> Path:
+    gguf = Path(source.name_or_path) / source.gguf_file
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_dir() / f"{gguf.stem}-{key}.safetensors"
+
+
+def load_embeddings(name_or_path: str) -> tuple[torch.Tensor, torch.Tensor, ModelArch]:
+    """The target's embedding and LM head [vocab, hidden] (the same tensor when tied), reading only those
+    tensors from safetensors files (a GGUF target's de-quantised cache is made first if missing)."""
+    from safetensors import safe_open
+
+    source = ModelSource.resolve(name_or_path)
+    arch = ModelArch.from_hf_config(load_hf_config(source))
+    names = ["model.embed_tokens.weight"] + ([] if arch.tie_word_embeddings else ["lm_head.weight"])
+    if source.gguf_file:
+        if not _gguf_cache_path(source).is_file():
+            load_state_dict(source)
+        files = [_gguf_cache_path(source)]
+    else:
+        files = sorted(Path(source.name_or_path).glob("*.safetensors"))
+    found: dict[str, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in set(names) & set(f.keys()):
+                found[name] = f.get_tensor(name).float()
+    if len(found) < len(names):  # no local safetensors (hub id, .bin checkpoint): read the whole state
+        state = load_state_dict(source)
+        found = {name: state[name].float() for name in names}
+    embed = found["model.embed_tokens.weight"]
+    return embed, found.get("lm_head.weight", embed), arch
 
 
 def build_model(

@@ -35,6 +35,11 @@ class ModelRunner:
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         """Returns per item its logits [num_logits, vocab] fp32 (empty when num_logits == 0)."""
+        return self.forward_with_hidden(items)[0]
+
+    def forward_with_hidden(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Logits as `forward`, and per item the final hidden states of all its tokens [len(token_ids), hidden]:
+        the features an EAGLE drafter reads, from the same pass that scored them."""
         spans = [SeqSpan(it.block_table, it.num_cached, len(it.token_ids)) for it in items]
         meta = build_metadata(spans, self.cache.block_size, self.device)
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
@@ -46,4 +51,5 @@ class ModelRunner:
             end += len(it.token_ids)
             rows.extend(range(end - it.num_logits, end))
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
-        return list(logits.split([it.num_logits for it in items]))
+        per_item_hidden = list(hidden.split([len(it.token_ids) for it in items]))
+        return list(logits.split([it.num_logits for it in items])), per_item_hidden

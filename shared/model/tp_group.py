@@ -467,10 +467,14 @@ class TPModelRunner(ModelRunner):
         return self.group.world_size
 
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
+        return self.forward_with_hidden(items)[0]
+
+    def forward_with_hidden(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Rank 0's hidden states are the full ones: the row-parallel layers all-reduce before returning."""
         with self.group.lock:
             self.group.send({"op": "forward", "items": encode_items(items)})
             try:
-                return self.local.forward(items)
+                return self.local.forward_with_hidden(items)
             except Exception as err:  # the ranks are out of step now: the group cannot go on
                 raise self.group.step_failed(err) from err
 

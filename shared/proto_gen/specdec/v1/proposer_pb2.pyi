@@ -8,14 +8,27 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class FeatureDtype(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    FEATURE_DTYPE_UNSPECIFIED: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_FLOAT16: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_BFLOAT16: _ClassVar[FeatureDtype]
+    FEATURE_DTYPE_FLOAT32: _ClassVar[FeatureDtype]
+
 class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     PROPOSER_KIND_UNSPECIFIED: _ClassVar[ProposerKind]
     PROPOSER_KIND_DRAFT_MODEL: _ClassVar[ProposerKind]
     PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
+    PROPOSER_KIND_EAGLE: _ClassVar[ProposerKind]
+FEATURE_DTYPE_UNSPECIFIED: FeatureDtype
+FEATURE_DTYPE_FLOAT16: FeatureDtype
+FEATURE_DTYPE_BFLOAT16: FeatureDtype
+FEATURE_DTYPE_FLOAT32: FeatureDtype
 PROPOSER_KIND_UNSPECIFIED: ProposerKind
 PROPOSER_KIND_DRAFT_MODEL: ProposerKind
 PROPOSER_KIND_NGRAM: ProposerKind
+PROPOSER_KIND_EAGLE: ProposerKind
 
 class ProposeRequest(_message.Message):
     __slots__ = ("step_id", "sequences", "release_seq_ids", "trace_context")
@@ -37,20 +50,36 @@ class ProposeRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FULL_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     full_sequence: bool
     k: int
     sampling_params: _common_pb2.SamplingParams
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ...) -> None: ...
+    target_features: TargetFeatures
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ...) -> None: ...
+
+class TargetFeatures(_message.Message):
+    __slots__ = ("start_position", "rows", "hidden_size", "dtype", "data")
+    START_POSITION_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start_position: int
+    rows: int
+    hidden_size: int
+    dtype: FeatureDtype
+    data: bytes
+    def __init__(self, start_position: _Optional[int] = ..., rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., dtype: _Optional[_Union[FeatureDtype, str]] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
     __slots__ = ("step_id", "drafts", "draft_time_us")
@@ -85,17 +114,23 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len")
+    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     MAX_K_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     kind: ProposerKind
     model: str
     vocab_size: int
     tokenizer_fingerprint: str
     max_k: int
     max_model_len: int
-    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ...) -> None: ...
+    needs_target_features: bool
+    target_hidden_size: int
+    feature_dtype: FeatureDtype
+    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., needs_target_features: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., feature_dtype: _Optional[_Union[FeatureDtype, str]] = ...) -> None: ...
