@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPECDEC_CACHE_DIR ?= $(CURDIR)/.cache/specdec
 
-.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean
+.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean train-draft
 
 setup: $(STAMP)
 
@@ -70,3 +70,8 @@ phoenix:
 .PHONY: bench-prefix
 bench-prefix: $(STAMP)
 	$(PY) -m specdec_bench.prefix_bench
+
+# Train the EAGLE draft head for the default target into models/smollm2-135m-eagle (about 50 minutes on
+# 2 cores; resumable). TRAIN_ARGS passes more flags, e.g. TRAIN_ARGS="--quick --out /tmp/head".
+train-draft: $(STAMP)
+	$(PY) -m specdec_train $(TRAIN_ARGS)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-KINDS = ("draft-model", "ngram")
+KINDS = ("draft-model", "ngram", "eagle")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -14,9 +14,19 @@ class ProposerConfig:
 
     model: str = field(
         default="",
-        metadata={"help": "draft model: HF hub id, HF folder or .gguf (default: the repository's draft model)"},
+        metadata={
+            "help": "draft model: HF hub id, HF folder or .gguf; with --kind eagle the head's folder (default: the "
+            "repository's draft model, or its EAGLE head)"
+        },
     )
-    kind: str = field(default="draft-model", metadata={"help": "drafting method: draft-model or ngram"})
+    kind: str = field(default="draft-model", metadata={"help": "drafting method: draft-model, ngram or eagle"})
+    target_model: str = field(
+        default="",
+        metadata={
+            "help": "kind eagle: the target the head drafts for; only its embedding and LM head are read "
+            "(default: the repository's target)"
+        },
+    )
     host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
     port: int = field(default=50053, metadata={"help": "port to listen on (0: any free port)"})
     max_k: int = field(default=16, metadata={"help": "largest draft length per sequence per step (larger k clamped)"})

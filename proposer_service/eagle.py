@@ -180,7 +180,11 @@ class EagleDrafter:
             (out,) = self._forward([(seq_id, state.num_done, zeros, tokens[state.num_done + 1 : bulk_end + 1])])
             state.num_done, state.last_hidden = bulk_end, out[-1]
         while state.num_done < end:
-            guess = state.last_hidden if state.last_hidden is not None else self.head.fc_bias.new_zeros(self.head.arch.hidden_size)
+            guess = (
+                state.last_hidden
+                if state.last_hidden is not None
+                else self.head.fc_bias.new_zeros(self.head.arch.hidden_size)
+            )
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
@@ -200,7 +204,9 @@ class EagleDrafter:
                 for i, out in zip(rows, self._forward(forward_rows), strict=True):
                     guesses[i] = out[-1]
             logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
-            for i, (token, support) in zip(rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows]), strict=True):
+            for i, (token, support) in zip(
+                rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows]), strict=True
+            ):
                 out_ids[i].append(token)
                 if support is not None:
                     out_probs[i].append(support)

@@ -28,6 +28,7 @@ from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
+from shared.feature_codec import features_from_proto
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
@@ -40,7 +41,11 @@ log = logging.getLogger("specdec.proposer")
 RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank of the draft model died: the proposer exits
 
 SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
-KIND_TO_PROTO = {"draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL, "ngram": proposer_pb2.PROPOSER_KIND_NGRAM}
+KIND_TO_PROTO = {
+    "draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL,
+    "ngram": proposer_pb2.PROPOSER_KIND_NGRAM,
+    "eagle": proposer_pb2.PROPOSER_KIND_EAGLE,
+}
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,7 @@ class ProposerInfo:
     tokenizer_fingerprint: str = ""
     max_k: int = 16
     max_model_len: int = 0  # 0: unlimited
+    target_hidden_size: int = 0  # > 0: the drafter reads the target's features of this size (eagle)
 
     def to_proto(self) -> proposer_pb2.GetInfoResponse:
         return proposer_pb2.GetInfoResponse(
@@ -62,6 +68,9 @@ class ProposerInfo:
             tokenizer_fingerprint=self.tokenizer_fingerprint,
             max_k=self.max_k,
             max_model_len=self.max_model_len,
+            needs_target_features=self.target_hidden_size > 0,
+            target_hidden_size=self.target_hidden_size,
+            feature_dtype=proposer_pb2.FEATURE_DTYPE_FLOAT16 if self.target_hidden_size else 0,
         )
 
 
@@ -138,6 +147,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self.open_streams = 0
         self.drafter_calls = 0
         self.messages = 0
+        self.invalid_features = 0
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
         return self.info.to_proto()
@@ -246,7 +256,16 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             k = min(k, max(0, self.info.max_model_len - seq.committed_len))
         if not _params_usable(params):
             params, k = SamplingParams(), 0  # keep the history in step, draft nothing
-        return DraftRequest(stream.key(seq.seq_id), seq.committed_len, list(seq.new_token_ids), k, params)
+        features, feature_start = None, 0
+        if self.info.target_hidden_size and seq.HasField("target_features"):
+            try:
+                feature_start, features = features_from_proto(seq.target_features, self.info.target_hidden_size)
+            except ValueError as err:  # a broken block is dropped: the drafter fills what it lacks itself
+                self.invalid_features += 1
+                log.warning("features of sequence %s dropped: %s", seq.seq_id, err)
+        return DraftRequest(
+            stream.key(seq.seq_id), seq.committed_len, list(seq.new_token_ids), k, params, features, feature_start
+        )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
         if not requests and not releases and not self._pending_release:
@@ -320,6 +339,8 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 
         info = ProposerInfo("ngram", "", 0, "", config.max_k, 0)
         return NgramDrafter(config.ngram_max, config.ngram_min), info
+    if config.kind == "eagle":
+        return build_eagle_drafter(config)
 
     import torch
 
@@ -363,6 +384,42 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         num_blocks,
         config.block_size,
         tp_size,
+        time.monotonic() - started,
+    )
+    return drafter, info
+
+
+def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
+    """The head from its folder and, from the target, only the embedding and LM head tensors."""
+    from proposer_service.eagle import make_eagle_drafter
+    from shared.model.loader import load_embeddings
+    from shared.settings import default_eagle_head, default_target_model
+
+    head_dir, target = config.model or default_eagle_head(), config.target_model or default_target_model()
+    started = time.monotonic()
+    embedding, lm_head, arch = load_embeddings(target)
+    max_model_len = min(config.max_model_len, arch.max_position_embeddings)
+    blocks_per_seq = math.ceil((max_model_len + config.max_k + 1) / config.block_size)
+    num_blocks = config.num_kv_blocks or config.max_num_seqs * blocks_per_seq
+    drafter = make_eagle_drafter(
+        head_dir,
+        embedding,
+        lm_head,
+        num_blocks,
+        config.block_size,
+        config.enable_prefix_caching,
+        config.draft_top_n,
+        resolve_device(config.device),
+    )
+    info = ProposerInfo(
+        "eagle", head_dir, arch.vocab_size, tokenizer_fingerprint(target), config.max_k, max_model_len, arch.hidden_size
+    )
+    log.info(
+        "eagle head loaded head=%s target=%s draft_vocab=%d kv_blocks=%d seconds=%.1f",
+        head_dir,
+        target,
+        drafter.head.draft_vocab_size,
+        num_blocks,
         time.monotonic() - started,
     )
     return drafter, info

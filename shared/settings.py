@@ -15,6 +15,13 @@ HUB_TARGET = "HuggingFaceTB/SmolLM2-360M-Instruct"
 HUB_DRAFT = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 
+DEFAULT_EAGLE_HEAD = REPO_ROOT / "models" / "smollm2-135m-eagle"  # made by `make train-draft`, committed
+
+
+def default_eagle_head() -> str:
+    return os.environ.get("SPECDEC_EAGLE_HEAD") or str(DEFAULT_EAGLE_HEAD)
+
+
 def model_dir() -> Path:
     return Path(os.environ.get("SPECDEC_MODEL_DIR", REPO_ROOT.parent / "shared" / "models"))
 

@@ -30,10 +30,12 @@ DEFAULT_OUT = REPO_ROOT / "models" / "smollm2-135m-eagle"
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specdec_train", description=__doc__.splitlines()[0])
-    p.add_argument("--target", default=None, help="target model: HF folder, .gguf folder or hub id (default: the repo's)")
+    p.add_argument(
+        "--target", default=None, help="target model: HF folder, .gguf folder or hub id (default: the repo's)"
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the head is written (%(default)s)")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "eagle-train", help="data and checkpoints")
-    p.add_argument("--num-prompts", type=int, default=512, help="target continuations to generate")
+    p.add_argument("--num-prompts", type=int, default=768, help="target continuations to generate")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=48, help="sequences the engine decodes at once")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="size of the frequency-ranked subset")
@@ -43,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--unroll", type=int, default=TrainConfig.unroll, help="training-time-test steps (1 = EAGLE-1)")
-    p.add_argument("--time-budget-min", type=float, default=35.0, help="stop training after this (0 = no limit)")
+    p.add_argument("--time-budget-min", type=float, default=33.0, help="stop training after this (0 = no limit)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         args.draft_vocab_size, args.steps, args.batch_size, args.max_len = 64, 12, 4, 32
         args.eval_tokens, args.time_budget_min = 16, 0
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
-    command = "python -m specdec_train " + " ".join(shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    given = list(argv if argv is not None else sys.argv[1:])
 
     started = time.monotonic()
     target_model = load_model(target)
@@ -100,6 +102,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     trainer.fit(samples, args.work_dir / f"checkpoint-seed{args.seed}.pt")
     train_minutes = (time.monotonic() - started) / 60
+    # The same schedule without a clock: the step count the time budget settled on, fixed.
+    command = " ".join(
+        [
+            "python -m specdec_train",
+            *map(shlex.quote, given),
+            "--steps",
+            str(trainer.planned_steps),
+            "--time-budget-min",
+            "0",
+        ]
+    )
     save_head(args.out, config, trainer.state)
     plot_losses(trainer.history, args.out / "loss.png")
 
@@ -119,7 +132,9 @@ def main(argv: list[str] | None = None) -> None:
         top1=top1, eval_k=args.eval_k, eval_tokens=args.eval_tokens, mean_len=acceptance.mean_accepted_length,
         per_position=", ".join(f"{p:.2f}" for p in acceptance.per_position),
     )  # fmt: skip
-    print(f"head written to {args.out}: mean accepted length {acceptance.mean_accepted_length:.2f} at k = {args.eval_k}")
+    print(
+        f"head written to {args.out}: mean accepted length {acceptance.mean_accepted_length:.2f} at k = {args.eval_k}"
+    )
 
 
 def evaluate(args: argparse.Namespace, target: str, target_model, embedding, lm_head):

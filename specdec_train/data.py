@@ -39,7 +39,9 @@ class DataConfig:
 
 def prompt_ids(tokenizer, text: str, is_chat: bool) -> list[int]:
     if is_chat:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False
+        )
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 

@@ -24,6 +24,7 @@ import grpc
 import torch
 
 from shared.drafting import Draft, DraftRequest, SparseProbs
+from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
@@ -107,6 +108,7 @@ class RemoteProposer:
         addresses: Sequence[str],
         *,
         vocab_size: int,
+        hidden_size: int = 0,
         tokenizer_fingerprint: str = "",
         timeout_s: float = 2.0,
         reconnect_initial_s: float = 0.05,
@@ -116,6 +118,10 @@ class RemoteProposer:
             raise ValueError("RemoteProposer needs at least one address")
         self.addresses = list(addresses)
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
+        # so a sequence resent in full after a reconnect carries them all.
+        self.needs_target_features = False
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.timeout_s = timeout_s
         self.reconnect_initial_s = reconnect_initial_s
@@ -198,6 +204,7 @@ class RemoteProposer:
             stub = proposer_pb2_grpc.ProposerStub(channel)
             info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
+            self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
             self._lost.clear()
             self.info, self.address, self._call = info, address, call
@@ -230,6 +237,11 @@ class RemoteProposer:
             raise IncompatibleProposerError(
                 f"its draft vocabulary has {info.vocab_size} ids but the target's has {self.vocab_size}: "
                 "speculative decoding needs a draft model that shares the target's tokenizer"
+            )
+        if info.needs_target_features and info.target_hidden_size != self.hidden_size:
+            raise IncompatibleProposerError(
+                f"its head reads features of size {info.target_hidden_size} but the target's hidden size is "
+                f"{self.hidden_size}: the head was trained for another target"
             )
         fingerprints = (info.tokenizer_fingerprint, self.tokenizer_fingerprint)
         if all(fingerprints) and fingerprints[0] != fingerprints[1]:
@@ -313,16 +325,17 @@ class RemoteProposer:
                     k = min(k, info.max_k)
                 if info.max_model_len:
                     k = min(k, max(0, info.max_model_len - r.committed_len))
-            sequences.append(
-                proposer_pb2.ProposeSequence(
-                    seq_id=r.seq_id,
-                    committed_len=r.committed_len,
-                    new_token_ids=r.new_token_ids,
-                    full_sequence=len(r.new_token_ids) == r.committed_len,
-                    k=max(0, k),
-                    sampling_params=params_to_proto(r.params),
-                )
+            sequence = proposer_pb2.ProposeSequence(
+                seq_id=r.seq_id,
+                committed_len=r.committed_len,
+                new_token_ids=r.new_token_ids,
+                full_sequence=len(r.new_token_ids) == r.committed_len,
+                k=max(0, k),
+                sampling_params=params_to_proto(r.params),
             )
+            if r.features is not None and info is not None and info.needs_target_features:
+                sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))
+            sequences.append(sequence)
         return proposer_pb2.ProposeRequest(step_id=next(self._step_ids), sequences=sequences, release_seq_ids=releases)
 
     @staticmethod

@@ -54,4 +54,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-

@@ -280,6 +280,7 @@ class VerifierServer:
             proposer = RemoteProposer(
                 config.proposer,
                 vocab_size=arch.vocab_size,
+                hidden_size=arch.hidden_size,
                 tokenizer_fingerprint=fingerprint,
                 timeout_s=config.proposer_timeout_ms / 1000,
                 reconnect_max_s=config.proposer_reconnect_max_s,

@@ -122,7 +122,9 @@ class EagleHead(torch.nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             attn.qkv_proj.load_full_weight([head_state[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
             attn.o_proj.load_full_weight(head_state[f"{p}self_attn.o_proj.weight"])
-            mlp.gate_up_proj.load_full_weight([head_state[f"{p}mlp.gate_proj.weight"], head_state[f"{p}mlp.up_proj.weight"]])
+            mlp.gate_up_proj.load_full_weight(
+                [head_state[f"{p}mlp.gate_proj.weight"], head_state[f"{p}mlp.up_proj.weight"]]
+            )
             mlp.down_proj.load_full_weight(head_state[f"{p}mlp.down_proj.weight"])
             layer.input_layernorm.weight.copy_(head_state[f"{p}input_layernorm.weight"])
             layer.post_attention_layernorm.weight.copy_(head_state[f"{p}post_attention_layernorm.weight"])
@@ -206,7 +208,10 @@ def save_head(folder: str | Path, config: dict[str, Any], state: dict[str, torch
 def load_head_state(folder: str | Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    return {name: t if name == "vocab_subset" else t.float() for name, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items()}
+    return {
+        name: t if name == "vocab_subset" else t.float()
+        for name, t in load_file(str(Path(folder) / WEIGHTS_FILE)).items()
+    }
 
 
 def build_head(folder: str | Path, target_embedding: torch.Tensor, target_lm_head: torch.Tensor, device: str = "cpu"):
