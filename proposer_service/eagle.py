@@ -67,12 +67,10 @@ class EagleDrafter:
             tokens = self.history.apply(req)
             if tokens is None:
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-            elif not self._take_features(req) or req.k <= 0 or not self._prepare(req, tokens, in_request):
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-            elif self.states[req.seq_id].features.end == 0:  # the verifier sends none: nothing to draft from
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-            else:
+            elif self._can_draft(req, tokens, in_request):
                 active.append((req, tokens))
+            else:
+                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
         if active:
             self._catch_up(active)
             for draft in self._draft([req for req, _ in active]):
@@ -80,6 +78,13 @@ class EagleDrafter:
         return [drafts[req.seq_id] for req in requests]
 
     # ---- state ----------------------------------------------------------------------------------
+
+    def _can_draft(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
+        if not self._take_features(req) or req.k <= 0:
+            return False
+        if self.states[req.seq_id].features.end == 0:  # the verifier sends none: nothing to draft from
+            return False
+        return self._prepare(req, tokens, in_request)
 
     def _take_features(self, req: DraftRequest) -> bool:
         """Store the request's features; False (no draft) when they do not line up with its prefix."""

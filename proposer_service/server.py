@@ -70,7 +70,11 @@ class ProposerInfo:
             max_model_len=self.max_model_len,
             needs_target_features=self.target_hidden_size > 0,
             target_hidden_size=self.target_hidden_size,
-            feature_dtype=proposer_pb2.FEATURE_DTYPE_FLOAT16 if self.target_hidden_size else 0,
+            feature_dtype=(
+                proposer_pb2.FEATURE_DTYPE_FLOAT16
+                if self.target_hidden_size
+                else proposer_pb2.FEATURE_DTYPE_UNSPECIFIED
+            ),
         )
 
 

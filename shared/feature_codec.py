@@ -9,7 +9,7 @@ import torch
 
 from shared.proto_gen.specdec.v1 import proposer_pb2
 
-DTYPES = {
+DTYPES: dict[int, torch.dtype] = {
     proposer_pb2.FEATURE_DTYPE_FLOAT16: torch.float16,
     proposer_pb2.FEATURE_DTYPE_BFLOAT16: torch.bfloat16,
     proposer_pb2.FEATURE_DTYPE_FLOAT32: torch.float32,
@@ -17,11 +17,11 @@ DTYPES = {
 
 
 def features_to_proto(start: int, features: torch.Tensor, dtype: int) -> proposer_pb2.TargetFeatures:
-    """features [rows, hidden] at positions start.. -> message, converted to `dtype` (a FeatureDtype)."""
-    torch_dtype = DTYPES.get(dtype, torch.float16)
+    """features [rows, hidden] at positions start.. -> message, converted to `dtype` (a FeatureDtype; fp16
+    when unset or unknown)."""
+    wire_dtype = proposer_pb2.FeatureDtype.ValueType(dtype if dtype in DTYPES else proposer_pb2.FEATURE_DTYPE_FLOAT16)
     rows, hidden = features.shape
-    data = features.detach().to("cpu", torch_dtype).contiguous().view(torch.uint8).numpy().tobytes()
-    wire_dtype = dtype if dtype in DTYPES else proposer_pb2.FEATURE_DTYPE_FLOAT16
+    data = features.detach().to("cpu", DTYPES[wire_dtype]).contiguous().view(torch.uint8).numpy().tobytes()
     return proposer_pb2.TargetFeatures(start_position=start, rows=rows, hidden_size=hidden, dtype=wire_dtype, data=data)
 
 

@@ -24,7 +24,6 @@ from shared.model.config import ModelArch
 from shared.model.eagle import _rms_norm, init_head_state
 from shared.model.rope import RotaryEmbedding, apply_rotary
 
-
 PACE_STEPS = 30  # steps timed before the schedule is fitted to the time budget
 
 

@@ -92,6 +92,7 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     cached = _gguf_cache_path(source)
     if cached.is_file():
         return load_file(str(cached))
+    gguf = Path(source.name_or_path) / str(source.gguf_file)
     state = {k: v.contiguous() for k, v in load_hf_model(str(gguf)).state_dict().items() if k != "lm_head.weight"}
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -104,7 +105,7 @@ def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
 
 
 def _gguf_cache_path(source: ModelSource) -> Path:
-    gguf = Path(source.name_or_path) / source.gguf_file
+    gguf = Path(source.name_or_path) / str(source.gguf_file)
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_dir() / f"{gguf.stem}-{key}.safetensors"
