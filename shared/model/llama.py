@@ -124,10 +124,13 @@ class LlamaModel(torch.nn.Module):
             x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
         return self.norm(x)
 
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -6,15 +6,17 @@ import os
 
 import pytest
 
+from proposer_service.eagle import make_eagle_drafter
 from proposer_service.ngram import NgramDrafter
 from shared.drafting import Drafter
 from shared.sampling import SamplingParams
+from shared.settings import default_eagle_head
 from tests.real_models import MAX_NEW_TOKENS
 from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
-COMBOS = [(kind, k) for kind in ("draft", "ngram") for k in (1, 3, 5)]
+COMBOS = [(kind, k) for kind in ("draft", "ngram", "eagle") for k in (1, 3, 5)]
 
 
 def make_engine(
@@ -36,6 +38,11 @@ def make_engine(
         drafter = NgramDrafter()
     elif kind == "draft":
         drafter = make_draft_model_drafter(*draft, config, CacheConfig())
+    elif kind == "eagle":  # the repository's trained head, with the target's own embedding and LM head
+        model = target[0]
+        drafter = make_eagle_drafter(
+            default_eagle_head(), model.embed_tokens.weight, model.lm_head_weight, num_blocks=max_num_seqs * 80
+        )
     return build_engine(target, drafter, config, cache)
 
 
@@ -68,7 +75,7 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
     assert len(outputs) == len(prompts)
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 8")
     assert engine.stats.drafted_tokens > 0
-    if kind == "draft":
+    if kind in ("draft", "eagle"):
         assert engine.stats.accepted_tokens > 0
 
 
@@ -100,7 +107,7 @@ def test_batch_1(target, draft, prompts, greedy_references, kind, k, indices):
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 1")
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5)])
+@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3)])
 def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind, k):
     # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 16 blocks (room for one 240-token
     # sequence) force preemption by recompute.
@@ -123,7 +130,7 @@ def plain_greedy(target, prompt: list[int], max_tokens: int) -> list[int]:
     return _PLAIN[tuple(prompt)]
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 1), ("draft", 4), ("ngram", 3)])
+@pytest.mark.parametrize(("kind", "k"), [("draft", 1), ("draft", 4), ("ngram", 3), ("eagle", 4)])
 def test_prefix_cache_across_turns_keeps_output(target, draft, prompts, greedy_references, kind, k):
     """Three turns of two conversations sharing a first user turn (a shared "system prompt"), cache on."""
     engine = make_engine(target, draft, kind, k, max_num_seqs=2)

@@ -59,8 +59,7 @@ def make_head_dir(tmp_path, target_arch, subset: torch.Tensor, seed: int = 0, sc
 
 
 def embeddings(target):
-    model, arch = target
-    return model.embed_tokens.weight, model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    return target[0].embed_tokens.weight, target[0].lm_head_weight
 
 
 def test_paged_head_equals_reference_in_chunks_and_batches(tmp_path, target):
