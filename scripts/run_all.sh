@@ -10,7 +10,8 @@
 #   SPECDEC_MODEL_DIR        folder with the default models (see shared/settings.py)
 #   SPECDEC_TARGET_MODEL     target model (HF folder, .gguf folder or hub id); default: shared.settings
 #   SPECDEC_DRAFT_MODEL      draft model for --kind draft-model; default: shared.settings
-#   SPECDEC_PROPOSER_KIND    draft-model (default) or ngram
+#   SPECDEC_EAGLE_HEAD       EAGLE head folder for --kind eagle; default: models/smollm2-135m-eagle
+#   SPECDEC_PROPOSER_KIND    eagle (default), draft-model or ngram
 #   SPECDEC_K                draft tokens per step (default 4)
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
 #   RUN_STARTUP_TIMEOUT      seconds to wait for all services to be healthy (default 600)
@@ -30,7 +31,7 @@ fi
 BIN="$(dirname "$PYTHON")"
 
 PROMPT="${1:-Explain in two sentences what speculative decoding is.}"
-KIND="${SPECDEC_PROPOSER_KIND:-draft-model}"
+KIND="${SPECDEC_PROPOSER_KIND:-eagle}"
 K="${SPECDEC_K:-4}"
 MAX_TOKENS="${RUN_MAX_TOKENS:-64}"
 STARTUP_TIMEOUT="${RUN_STARTUP_TIMEOUT:-600}"
@@ -40,12 +41,13 @@ PROPOSER_PORT="${RUN_PROPOSER_PORT:-50053}"
 HOST=127.0.0.1
 
 case "$KIND" in
-  draft-model | ngram) ;;
-  *) echo "run_all.sh: SPECDEC_PROPOSER_KIND must be draft-model or ngram, got '$KIND'" >&2; exit 2 ;;
+  eagle | draft-model | ngram) ;;
+  *) echo "run_all.sh: SPECDEC_PROPOSER_KIND must be eagle, draft-model or ngram, got '$KIND'" >&2; exit 2 ;;
 esac
 
 TARGET="$("$PYTHON" -c 'from shared.settings import default_target_model; print(default_target_model())')"
 DRAFT="$("$PYTHON" -c 'from shared.settings import default_draft_model; print(default_draft_model())')"
+HEAD="$("$PYTHON" -c 'from shared.settings import default_eagle_head; print(default_eagle_head())')"
 
 LOGDIR="$(mktemp -d "${TMPDIR:-/tmp}/specdec-run.XXXXXX")"
 NAMES=()
@@ -142,11 +144,17 @@ for port in "$PROPOSER_PORT" "$VERIFIER_PORT" "$GATEWAY_PORT"; do
   fi
 done
 
-log "target=$TARGET proposer_kind=$KIND draft=$([[ $KIND == draft-model ]] && echo "$DRAFT" || echo -) k=$K"
+case "$KIND" in
+  draft-model) DRAFTER="$DRAFT" ;;
+  eagle) DRAFTER="$HEAD" ;;
+  *) DRAFTER=- ;;
+esac
+log "target=$TARGET proposer_kind=$KIND draft=$DRAFTER k=$K"
 log "logs: $LOGDIR"
 
 PROPOSER_ARGS=(--kind "$KIND" --host "$HOST" --port "$PROPOSER_PORT")
 [[ "$KIND" == draft-model ]] && PROPOSER_ARGS+=(--model "$DRAFT")
+[[ "$KIND" == eagle ]] && PROPOSER_ARGS+=(--model "$HEAD" --target-model "$TARGET")
 start proposer specdec-proposer proposer_service.server "${PROPOSER_ARGS[@]}"
 start verifier specdec-verifier verifier_service.server --model "$TARGET" --proposer "$HOST:$PROPOSER_PORT" \
   --num-speculative-tokens "$K" --host "$HOST" --port "$VERIFIER_PORT"

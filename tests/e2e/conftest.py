@@ -37,7 +37,7 @@ import pytest
 
 from gateway.health_probe import check_once
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from shared.settings import default_draft_model, default_target_model
+from shared.settings import default_draft_model, default_eagle_head, default_target_model
 
 HOST = "127.0.0.1"
 K = 4
@@ -287,8 +287,15 @@ def build_stack(
     *,
     verifier_args: Sequence[str] = (),
     with_verifier: bool = True,
+    proposer_kind: str = "draft-model",
+    adaptive_k: bool = False,
 ) -> Stack:
     target, draft = default_target_model(), default_draft_model()
+    drafter = (
+        ["--model", draft]
+        if proposer_kind == "draft-model"
+        else ["--model", default_eagle_head(), "--target-model", target]
+    )
     stack = Stack(name)
     gateway_port = free_port()
     if with_verifier:
@@ -299,9 +306,8 @@ def build_stack(
                 "specdec-proposer",
                 [
                     "--kind",
-                    "draft-model",
-                    "--model",
-                    draft,
+                    proposer_kind,
+                    *drafter,
                     "--host",
                     HOST,
                     "--port",
@@ -324,7 +330,7 @@ def build_stack(
                     f"{HOST}:{proposer_port}",
                     "--num-speculative-tokens",
                     str(K),
-                    "--no-adaptive-k",
+                    "--adaptive-k" if adaptive_k else "--no-adaptive-k",
                     "--max-model-len",
                     str(MAX_MODEL_LEN),
                     "--host",
@@ -368,6 +374,9 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
     "e2e_stack": dict(name="main"),
     "fault_stack": dict(name="fault", verifier_args=["--max-num-seqs", "3", "--max-waiting", "1"]),
     "orphan_gateway": dict(name="orphan", with_verifier=False),
+    # The repository's EAGLE head, adaptive k (the default), and a KV cache too small for 8 long sequences
+    # at once (80 blocks of 16 = 1,280 tokens): greedy streams run through preemption by recompute.
+    "eagle_stack": dict(name="eagle", proposer_kind="eagle", adaptive_k=True, verifier_args=["--num-kv-blocks", "80"]),
 }
 
 
@@ -435,6 +444,11 @@ def fault_stack(request, _launcher) -> Stack:
 @pytest.fixture(scope="session")
 def orphan_gateway(request, _launcher) -> Stack:
     return _stack(request, _launcher, "orphan_gateway")
+
+
+@pytest.fixture(scope="session")
+def eagle_stack(request, _launcher) -> Stack:
+    return _stack(request, _launcher, "eagle_stack")
 
 
 @pytest.hookimpl(hookwrapper=True)

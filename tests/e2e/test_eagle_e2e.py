@@ -1,0 +1,66 @@
+"""End to end with the repository's EAGLE head: client -> gateway -> verifier <-> eagle proposer, each a
+separate process, adaptive k (the default) and a KV cache small enough that a batch of 8 is preempted.
+
+Greedy outputs are compared with transformers' greedy `generate` of the target."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from shared.model.loader import load_hf_model
+from shared.settings import default_target_model
+from tests.e2e.conftest import Stack
+from tests.e2e.test_e2e import GREEDY_INDICES, check_greedy, engine_stats, gateway, generate, verifier
+from tests.real_models import MAX_NEW_TOKENS
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def test_batch_of_8_through_preemption_matches_transformers(eagle_stack: Stack, prompts, greedy_references, tokenizer):
+    indices = GREEDY_INDICES[:8]
+
+    async def run():
+        channel, stub = gateway(eagle_stack.gateway.address)
+        async with channel:
+            results = await asyncio.gather(
+                *(generate(stub, prompt_token_ids=prompts[i], max_tokens=MAX_NEW_TOKENS) for i in indices)
+            )
+        vchannel, vstub = verifier(eagle_stack.verifier.address)
+        async with vchannel:
+            return results, (await engine_stats(vstub)).stats
+
+    results, stats = asyncio.run(run())
+    problems = []
+    for i, r in zip(indices, results, strict=True):
+        problems += check_greedy(
+            f"prompt {i}", r, greedy_references[i], MAX_NEW_TOKENS, tokenizer.eos_token_id, tokenizer
+        )
+    assert not problems, "\n".join(problems)
+    assert stats.preemptions > 0, "the KV cache was meant to force preemption"
+    assert sum(r.final.usage.accepted_tokens for r in results if r.final) > 0
+
+
+def test_batch_1_and_session_turns_match_transformers(eagle_stack: Stack, prompts, greedy_references, tokenizer):
+    """One request at a time; then a second turn of the same session, served from the verifier's prefix
+    cache (no features for those positions: the head fills them), equal to transformers' greedy output."""
+    eos = tokenizer.eos_token_id
+    first = prompts[GREEDY_INDICES[0]]
+
+    async def run():
+        channel, stub = gateway(eagle_stack.gateway.address)
+        async with channel:
+            turn1 = await generate(stub, prompt_token_ids=first, max_tokens=48, session_id="s-eagle")
+            follow = tokenizer("\nThank you. Now say it more briefly.", add_special_tokens=False)["input_ids"]
+            second = first + turn1.ids + follow
+            turn2 = await generate(stub, prompt_token_ids=second, max_tokens=48, session_id="s-eagle")
+            return turn1, second, turn2
+
+    turn1, second, turn2 = asyncio.run(run())
+    assert not check_greedy("turn 1", turn1, greedy_references[GREEDY_INDICES[0]], 48, eos, tokenizer)
+    hf = load_hf_model(default_target_model())
+    ref = hf.generate(torch.tensor([second]), max_new_tokens=48, do_sample=False)[0, len(second) :].tolist()
+    assert not check_greedy("turn 2", turn2, ref, 48, eos, tokenizer)
+    assert turn2.final is not None and turn2.final.usage.cached_prompt_tokens >= len(first) // 16 * 16
