@@ -85,7 +85,7 @@ class FeatureStore:
     def __init__(self) -> None:
         self.start = 0
         self.end = 0
-        self._chunks: list[torch.Tensor] = []
+        self._chunks: list[tuple[int, torch.Tensor]] = []  # (first position, [n, hidden]), contiguous
 
     def add(self, position: int, hidden: torch.Tensor) -> None:  # hidden [n, hidden] at position..position+n-1
         if not self._chunks or position > self.end:  # the first ones, or a gap: what came before is no use
@@ -93,7 +93,7 @@ class FeatureStore:
             self._chunks = []
         skip = self.end - position
         if skip < hidden.shape[0]:
-            self._chunks.append(hidden[skip:])
+            self._chunks.append((self.end, hidden[skip:]))
             self.end += hidden.shape[0] - skip
 
     def since(self, position: int) -> tuple[int, torch.Tensor | None]:
@@ -101,10 +101,9 @@ class FeatureStore:
         first = max(position, self.start)
         if first >= self.end:
             return self.end, None
-        if len(self._chunks) > 1:
-            self._chunks = [torch.cat(self._chunks)]
-        return first, self._chunks[0][first - self.start :]
+        return first, self.get(first, self.end)
 
     def get(self, first: int, end: int) -> torch.Tensor:  # [end - first, hidden]; start <= first <= end <= .end
-        self.since(first)  # joins the chunks
-        return self._chunks[0][first - self.start : end - self.start]
+        """Only the chunks that overlap are joined: a step reads its newest few positions, not the history."""
+        parts = [t[max(0, first - s) : end - s] for s, t in self._chunks if s < end and s + t.shape[0] > first]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -235,7 +235,7 @@ class Engine:
             return
         if seq.features is None:
             seq.features = FeatureStore()
-        seq.features.add(seq.num_computed, hidden[:num_valid])
+        seq.features.add(seq.num_computed, hidden[:num_valid].clone())  # a view would keep the step's whole batch
 
     def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
         if drafts:
