@@ -9,9 +9,7 @@ batches all its sequences into one forward per draft position), off the event lo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
-import json
 import logging
 import math
 import os
@@ -19,7 +17,6 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -278,41 +275,6 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
-def tokenizer_fingerprint(name_or_path: str) -> str:
-    """sha256 of the token -> id mapping of a local model folder's tokenizer.json; "" when there is none.
-
-    Only local files are read (never the hub, never a GGUF parse): an unknown fingerprint is not checked.
-    """
-    from shared.model.loader import ModelSource
-
-    try:
-        folder = Path(ModelSource.resolve(name_or_path).name_or_path)
-    except (FileNotFoundError, OSError):
-        return ""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return ""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        vocab = dict(data.get("model", {}).get("vocab") or {})
-        for token in data.get("added_tokens") or []:
-            vocab[token["content"]] = token["id"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ""
-    if not vocab or not isinstance(vocab, dict):
-        return ""
-    payload = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:32]
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     """Load the draft model (kind draft-model) or make an n-gram drafter."""
     if config.kind == "ngram":
@@ -325,12 +287,12 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 
     from proposer_service.draft_model import DraftModelDrafter
     from shared.kv.block_manager import BlockManager
+    from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
+    from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_model
     from shared.model.runner import ModelRunner
     from shared.model.tp_group import check_tensor_parallel
     from shared.settings import default_draft_model
-    from verifier_service.builder import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
-    from verifier_service.engine import EngineConfig
 
     name = config.model or default_draft_model()
     started = time.monotonic()
@@ -342,10 +304,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         model, arch = load_model(name, dtype, device)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
     cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
-    sizing = EngineConfig(
-        num_speculative_tokens=config.max_k, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len
-    )
-    num_blocks = default_num_blocks(sizing, cache)
+    num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
     runner: ModelRunner
     if tp_size > 1:
         runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)

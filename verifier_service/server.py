@@ -251,12 +251,13 @@ class VerifierServer:
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
         import torch
 
-        from proposer_service.server import resolve_device
-        from proposer_service.server import tokenizer_fingerprint as fingerprint_of
+        from shared.model.build import CacheConfig, read_arch
+        from shared.model.info import resolve_device
+        from shared.model.info import tokenizer_fingerprint as fingerprint_of
         from shared.model.loader import load_model
         from shared.model.tp_group import check_tensor_parallel
         from shared.settings import default_target_model
-        from verifier_service.builder import CacheConfig, build_engine, read_arch
+        from verifier_service.builder import build_engine
         from verifier_service.engine import EngineConfig
 
         name = model_name or config.model or default_target_model()

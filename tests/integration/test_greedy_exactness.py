@@ -8,9 +8,10 @@ import pytest
 
 from proposer_service.ngram import NgramDrafter
 from shared.drafting import Drafter
+from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.real_models import MAX_NEW_TOKENS
-from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
