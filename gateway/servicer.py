@@ -31,6 +31,7 @@ from gateway.backends import BackendPool
 from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from shared.errors import InvalidRequestError, SpecdecError, UnavailableError, grpc_status_for
+from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import (
     common_pb2,
     gateway_pb2,
@@ -302,13 +303,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_id=prepared.request_id,
             session_id=prepared.session_id,
             prompt_token_ids=[*prepared.prompt_ids, *emitted],
-            sampling_params=common_pb2.SamplingParams(
-                temperature=prepared.sampling.temperature,
-                top_p=prepared.sampling.top_p,
-                top_k=prepared.sampling.top_k,
-                min_p=prepared.sampling.min_p,
-                seed=prepared.sampling.seed,
-            ),
+            sampling_params=sampling_params_to_proto(prepared.sampling),
             max_tokens=prepared.max_tokens - len(emitted),
             stop_token_ids=prepared.stop_token_ids,
             ignore_eos=prepared.ignore_eos,

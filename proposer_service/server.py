@@ -28,7 +28,8 @@ from shared.errors import InvalidRequestError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
-from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
+from shared.proto_convert import sampling_params_from_proto
+from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry, setup_telemetry
 
@@ -63,18 +64,6 @@ class ProposerInfo:
 
 
 # ---- proto <-> domain ---------------------------------------------------------------------------
-
-
-def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take the defaults of shared/sampling.py."""
-    base = SamplingParams()
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else base.temperature,
-        top_k=msg.top_k if msg.HasField("top_k") else base.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else base.top_p,
-        min_p=msg.min_p if msg.HasField("min_p") else base.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-    )
 
 
 def _params_usable(params: SamplingParams) -> bool:
@@ -237,7 +226,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         return None
 
     def _to_domain(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState) -> DraftRequest:
-        params = params_from_proto(seq.sampling_params)
+        params = sampling_params_from_proto(seq.sampling_params)
         k = min(seq.k, self.info.max_k)
         if self.info.max_model_len:
             k = min(k, max(0, self.info.max_model_len - seq.committed_len))

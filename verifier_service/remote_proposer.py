@@ -25,8 +25,8 @@ import torch
 
 from shared.drafting import Draft, DraftRequest, SparseProbs
 from shared.grpc_server import CHANNEL_OPTIONS
-from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
-from shared.sampling import SamplingParams
+from shared.proto_convert import sampling_params_to_proto
+from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.telemetry import inject_context
 
 log = logging.getLogger("specdec.verifier.proposer")
@@ -34,15 +34,6 @@ log = logging.getLogger("specdec.verifier.proposer")
 
 class IncompatibleProposerError(Exception):
     """The proposer drafts in another vocabulary: its token ids would be wrong for the target."""
-
-
-def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
@@ -320,7 +311,7 @@ class RemoteProposer:
                     new_token_ids=r.new_token_ids,
                     full_sequence=len(r.new_token_ids) == r.committed_len,
                     k=max(0, k),
-                    sampling_params=params_to_proto(r.params),
+                    sampling_params=sampling_params_to_proto(r.params),
                 )
             )
         return proposer_pb2.ProposeRequest(step_id=next(self._step_ids), sequences=sequences, release_seq_ids=releases)

@@ -24,6 +24,7 @@ from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
+from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
 from shared.telemetry import Telemetry, setup_telemetry
@@ -61,17 +62,11 @@ def request_to_domain(
     prompt = list(request.prompt_token_ids)
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
-    sp = request.sampling_params
-    base = SamplingParams()
     max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max_tokens
     if request.HasField("max_tokens") and max_tokens > max_model_len:
         raise InvalidRequestError(f"max_tokens {max_tokens} is beyond the context length {max_model_len}")
-    params = SamplingParams(
-        temperature=sp.temperature if sp.HasField("temperature") else base.temperature,
-        top_k=sp.top_k if sp.HasField("top_k") else base.top_k,
-        top_p=sp.top_p if sp.HasField("top_p") else base.top_p,
-        min_p=sp.min_p if sp.HasField("min_p") else base.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
+    params = sampling_params_from_proto(
+        request.sampling_params,
         max_tokens=max_tokens,
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
