@@ -12,7 +12,6 @@ import asyncio
 import itertools
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -25,17 +24,16 @@ from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
-from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
 from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
 
 log = logging.getLogger("specdec.proposer")
-
-RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank of the draft model died: the proposer exits
 
 SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
 KIND_TO_PROTO = {"draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL, "ngram": proposer_pb2.PROPOSER_KIND_NGRAM}
@@ -316,17 +314,18 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     return drafter, info
 
 
-class ProposerServer:
+class ProposerServer(ServiceRuntime):
     """A running proposer: gRPC server, servicer, health."""
 
+    role = "proposer"
+    log = log
+
     def __init__(self, server: grpc.aio.Server, servicer: ProposerServicer, health, port: int) -> None:
+        super().__init__()
         self.server = server
         self.servicer = servicer
         self.health = health
         self.port = port
-        self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
-        self.failure_reason: str | None = None
-        self._failing: asyncio.Task | None = None
         self.telemetry = Telemetry("specdec-proposer")
 
     @classmethod
@@ -366,23 +365,12 @@ class ProposerServer:
         )
         instance = cls(server, servicer, health, port)
         instance.telemetry = telemetry
-        if tp_runner is not None:
-            aio_loop = asyncio.get_running_loop()
-
-            def on_rank_failure(reason: str) -> None:  # any thread
-                aio_loop.call_soon_threadsafe(instance._start_failing, reason)
-
-            tp_runner.on_failure(on_rank_failure)
+        instance.watch_rank_failures()
         return instance
 
     @property
     def tp_runner(self) -> TPModelRunner | None:
         return _tp_runner(self.servicer.drafter)
-
-    def _start_failing(self, reason: str) -> None:
-        if self.failure_reason is None:
-            self.failure_reason = reason
-            self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
 
     async def _fail(self, reason: str) -> None:
         """A rank died: NOT_SERVING, stop serving (the verifier decodes with k = 0 or uses another proposer
@@ -391,15 +379,6 @@ class ProposerServer:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(0.5)
         self.failed.set()
-
-    def exit_after_failure(self) -> None:
-        """Exit now, non-zero; a drafting thread may be stuck in a collective, so no orderly shutdown."""
-        log.critical("exiting after a tensor-parallel failure: %s", self.failure_reason)
-        runner = self.tp_runner
-        if runner is not None:
-            runner.group.kill()
-        logging.shutdown()
-        os._exit(RANK_FAILURE_EXIT_CODE)
 
     async def shutdown(self, grace_s: float) -> None:
         """NOT_SERVING, let the batches being drafted finish (at most grace_s), then close every stream."""
@@ -418,32 +397,8 @@ def _tp_runner(drafter: Drafter) -> TPModelRunner | None:
     return runner if isinstance(runner, TPModelRunner) else None
 
 
-async def _first(*aws) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-
-
 async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], None] | None = None) -> None:
-    stop = asyncio.Event()
-    install_sigterm(stop)
-    try:
-        server = await ProposerServer.start(config)
-    except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
-        log.error("cannot start the proposer: %s", err)
-        raise SystemExit(2) from err
-    if on_ready is not None:
-        on_ready(server)
-    await _first(stop.wait(), server.failed.wait())
-    if not server.failed.is_set():
-        shutdown = asyncio.ensure_future(server.shutdown(config.grace_period_s))
-        await _first(shutdown, server.failed.wait())  # a rank may die during the drain, too
-        if not server.failed.is_set():
-            await shutdown
-            return
-    server.exit_after_failure()
+    await ProposerServer.serve_until_stopped(lambda: ProposerServer.start(config), config.grace_period_s, on_ready)
 
 
 def main(argv: list[str] | None = None) -> None:
