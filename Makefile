@@ -44,12 +44,13 @@ bench-tp: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy shared verifier_service proposer_service gateway
+	$(VENV)/bin/mypy shared verifier_service proposer_service gateway specdec_local
+	$(VENV)/bin/lint-imports
 	PYTHON=$(PY) scripts/check_proto_fresh.sh
 	scripts/buf_lint.sh
 
 clean:
-	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .cache .pytest_cache .mypy_cache .ruff_cache .import_linter_cache
 
 # Render every deploy/k8s overlay, validate it (kubernetes-validate --strict), yamllint, hadolint, checkov.
 .PHONY: k8s-validate

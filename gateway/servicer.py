@@ -31,6 +31,7 @@ from gateway.backends import BackendPool
 from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from shared.errors import InvalidRequestError, SpecdecError, UnavailableError, grpc_status_for
+from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import (
     common_pb2,
     gateway_pb2,
@@ -88,6 +89,19 @@ class _Accounting:
         self.steps += usage.num_steps or steps_seen
         if self.cached_prompt is None:
             self.cached_prompt = usage.cached_prompt_tokens
+
+
+@dataclass
+class _RequestRun:
+    """One request across its verifier segments (more than one after a resume)."""
+
+    request_id: str
+    traced: GatewayRequestTrace
+    started: float  # time.monotonic() when the request arrived
+    acct: _Accounting = field(default_factory=_Accounting)
+    failed_backends: set[str] = field(default_factory=set)  # left out when picking the next verifier
+    resumes: int = 0
+    live_calls: list[Any] = field(default_factory=list)  # the verifier calls to cancel if the client goes away
 
 
 @dataclass
@@ -172,7 +186,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def _generate(
         self, fields: RequestFields, context: grpc.aio.ServicerContext
     ) -> AsyncGenerator[tuple[str, Chunk, Final | None], None]:
-        """Yields (request_id, chunk, final-or-None) per verifier message; raises SpecdecError / VerifierError."""
+        """Yields (request_id, chunk, final-or-None) per verifier message; raises SpecdecError / VerifierError.
+
+        Here: the request's lifecycle (counters, trace, validation, the log line of how it ended); the verifier
+        segments and resumes are in _resume_loop, the usage and the trace's end in _finish."""
         self.counters.total_requests += 1
         self.counters.active_requests += 1
         started = time.monotonic()
@@ -181,96 +198,114 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
         if not fields.request_id:
             fields = dataclasses.replace(fields, request_id=uuid.uuid4().hex)
-        request_id = fields.request_id
-        traced = self.telemetry.request_started(request_id, fields.session_id)
+        traced = self.telemetry.request_started(fields.request_id, fields.session_id)
+        run = _RequestRun(fields.request_id, traced, started, live_calls=live_calls)
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
             prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
             prepared = self.frontend.prepare(fields, prompt_ids)
-            out = self.frontend.output(prepared)
-            acct = _Accounting()
-            failed: set[str] = set()
-            resumes = 0
             final: Final | None = None
-            while final is None:
-                final = self._finished_before_call(prepared, out.token_ids)
-                if final is not None:
-                    # Only reachable after a resume: nothing left to generate (see _finished_before_call).
-                    tail = out.finish()
-                    final.usage = self._usage(prepared, out.token_ids, acct)
-                    self.telemetry.finished(
-                        traced, final.usage, common_pb2.FinishReason.Name(final.finish_reason), resumes
-                    )
-                    yield request_id, tail, final
-                    break
-                try:
-                    backend = self.router.pick(prepared.session_id, exclude=failed)
-                except UnavailableError:
-                    # Maybe a verifier came back since the last periodic check: look now, then decide.
-                    await self.pool.recheck_unhealthy()
-                    backend = self.router.pick(prepared.session_id, exclude=failed)
-                if not out.token_ids:
-                    prepared = self.frontend.check_context(prepared, backend.max_model_len)
-                    out.max_tokens = prepared.max_tokens
-                segment = _Segment(calls=live_calls)
-                stream = self._call_verifier(prepared, out, backend.address, segment, context, traced)
-                try:
-                    async with contextlib.aclosing(stream):
-                        async for chunk, final in stream:
-                            self.telemetry.chunk(traced, len(chunk.token_ids))
-                            if final is not None:
-                                acct.add_segment(segment.usage, segment.steps)
-                                final.usage = self._usage(prepared, out.token_ids, acct)
-                                reason = common_pb2.FinishReason.Name(final.finish_reason)
-                                self.telemetry.finished(traced, final.usage, reason, resumes)
-                            yield request_id, chunk, final
-                except _VerifierFailed as err:
-                    acct.add_segment(segment.usage, segment.steps)
-                    failed.add(backend.address)
-                    self.pool.mark_failed(backend.address, str(err))
-                    if resumes >= self.config.max_resumes:
-                        raise UnavailableError(
-                            f"the request failed on {resumes + 1} verifiers in turn; last error: {err}"
-                        ) from None
-                    resumes += 1
-                    self.counters.resumed_requests += 1
-                    self.telemetry.event(traced, "resume", {"specdec.failed_backend": backend.address})
-                    # A seeded request that resumes stays exact in distribution, but it is not
-                    # bit-reproducible: the new verifier seeds a fresh generator for the continuation
-                    # instead of continuing the old one's random stream.
-                    log.warning(
-                        "event=resume request_id=%s failed_backend=%s emitted_tokens=%d reason=%r",
-                        request_id,
-                        backend.address,
-                        len(out.token_ids),
-                        str(err),
-                    )
+            async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
+                async for chunk, final in parts:
+                    yield run.request_id, chunk, final
             if final is not None:
-                log.info(
-                    "event=finished request_id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
-                    "drafted=%d accepted=%d resumes=%d seconds=%.3f",
-                    request_id,
-                    common_pb2.FinishReason.Name(final.finish_reason),
-                    final.usage.prompt_tokens,
-                    final.usage.completion_tokens,
-                    final.usage.drafted_tokens,
-                    final.usage.accepted_tokens,
-                    resumes,
-                    time.monotonic() - started,
-                )
+                self._log_finished(run, final)
         except asyncio.CancelledError:
-            log.info("event=cancelled request_id=%s seconds=%.3f", request_id, time.monotonic() - started)
+            log.info("event=cancelled request_id=%s seconds=%.3f", run.request_id, time.monotonic() - run.started)
             raise
         except (SpecdecError, VerifierError) as err:
             level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
-            log.log(level, "event=rejected request_id=%s error=%r", request_id, str(err))
-            self.telemetry.failed(traced, *_status_of(err))
+            log.log(level, "event=rejected request_id=%s error=%r", run.request_id, str(err))
+            self.telemetry.failed(run.traced, *_status_of(err))
             raise
         finally:
-            self.telemetry.failed(traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
+            self.telemetry.failed(run.traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
             self.counters.active_requests -= 1
             for call in live_calls:
                 call.cancel()
+
+    async def _resume_loop(
+        self, prepared: PreparedRequest, run: _RequestRun, context: grpc.aio.ServicerContext
+    ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
+        """One verifier segment after another until the request has its final message: a verifier that fails
+        mid-stream is left out and the next one continues from the tokens emitted so far."""
+        out = self.frontend.output(prepared)
+        final: Final | None = None
+        while final is None:
+            final = self._finished_before_call(prepared, out.token_ids)
+            if final is not None:
+                # Only reachable after a resume: nothing left to generate (see _finished_before_call).
+                tail = out.finish()
+                self._finish(run, prepared, out.token_ids, final)
+                yield tail, final
+                break
+            backend = await self._pick_backend(prepared.session_id, run.failed_backends)
+            if not out.token_ids:
+                prepared = self.frontend.check_context(prepared, backend.max_model_len)
+                out.max_tokens = prepared.max_tokens
+            segment = _Segment(calls=run.live_calls)
+            stream = self._call_verifier(prepared, out, backend.address, segment, context, run.traced)
+            try:
+                async with contextlib.aclosing(stream):
+                    async for chunk, final in stream:
+                        self.telemetry.chunk(run.traced, len(chunk.token_ids))
+                        if final is not None:
+                            run.acct.add_segment(segment.usage, segment.steps)
+                            self._finish(run, prepared, out.token_ids, final)
+                        yield chunk, final
+            except _VerifierFailed as err:
+                run.acct.add_segment(segment.usage, segment.steps)
+                self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
+
+    async def _pick_backend(self, session_id: str, exclude: set[str]) -> Any:
+        try:
+            return self.router.pick(session_id, exclude=exclude)
+        except UnavailableError:
+            # Maybe a verifier came back since the last periodic check: look now, then decide.
+            await self.pool.recheck_unhealthy()
+            return self.router.pick(session_id, exclude=exclude)
+
+    def _resume_or_give_up(self, run: _RequestRun, address: str, emitted: int, err: _VerifierFailed) -> None:
+        """The verifier at `address` failed mid-stream: leave it out and resume, or UNAVAILABLE after
+        max_resumes."""
+        run.failed_backends.add(address)
+        self.pool.mark_failed(address, str(err))
+        if run.resumes >= self.config.max_resumes:
+            raise UnavailableError(
+                f"the request failed on {run.resumes + 1} verifiers in turn; last error: {err}"
+            ) from None
+        run.resumes += 1
+        self.counters.resumed_requests += 1
+        self.telemetry.event(run.traced, "resume", {"specdec.failed_backend": address})
+        # A seeded request that resumes stays exact in distribution, but it is not bit-reproducible: the new
+        # verifier seeds a fresh generator for the continuation instead of continuing the old one's random stream.
+        log.warning(
+            "event=resume request_id=%s failed_backend=%s emitted_tokens=%d reason=%r",
+            run.request_id,
+            address,
+            emitted,
+            str(err),
+        )
+
+    def _finish(self, run: _RequestRun, prepared: PreparedRequest, emitted: list[int], final: Final) -> None:
+        """The final message's usage (summed over the segments) and the trace's end, before it is sent."""
+        final.usage = self._usage(prepared, emitted, run.acct)
+        self.telemetry.finished(run.traced, final.usage, common_pb2.FinishReason.Name(final.finish_reason), run.resumes)
+
+    def _log_finished(self, run: _RequestRun, final: Final) -> None:
+        """After the final message was taken by the client."""
+        log.info(
+            "event=finished request_id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
+            "drafted=%d accepted=%d resumes=%d seconds=%.3f",
+            run.request_id,
+            common_pb2.FinishReason.Name(final.finish_reason),
+            final.usage.prompt_tokens,
+            final.usage.completion_tokens,
+            final.usage.drafted_tokens,
+            final.usage.accepted_tokens,
+            run.resumes,
+            time.monotonic() - run.started,
+        )
 
     def _finished_before_call(self, prepared: PreparedRequest, emitted: list[int]) -> Final | None:
         """After a resume: is the request already complete? (its verifier died before sending the end)."""
@@ -302,13 +337,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             request_id=prepared.request_id,
             session_id=prepared.session_id,
             prompt_token_ids=[*prepared.prompt_ids, *emitted],
-            sampling_params=common_pb2.SamplingParams(
-                temperature=prepared.sampling.temperature,
-                top_p=prepared.sampling.top_p,
-                top_k=prepared.sampling.top_k,
-                min_p=prepared.sampling.min_p,
-                seed=prepared.sampling.seed,
-            ),
+            sampling_params=sampling_params_to_proto(prepared.sampling),
             max_tokens=prepared.max_tokens - len(emitted),
             stop_token_ids=prepared.stop_token_ids,
             ignore_eos=prepared.ignore_eos,

@@ -9,17 +9,13 @@ batches all its sequences into one forward per draft position), off the event lo
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
-import json
 import logging
 import math
-import os
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 
@@ -29,16 +25,16 @@ from shared.config import load_config
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
-from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
-from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
+from shared.proto_convert import sampling_params_from_proto
+from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
 
 log = logging.getLogger("specdec.proposer")
-
-RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank of the draft model died: the proposer exits
 
 SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
 KIND_TO_PROTO = {
@@ -79,18 +75,6 @@ class ProposerInfo:
 
 
 # ---- proto <-> domain ---------------------------------------------------------------------------
-
-
-def params_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take the defaults of shared/sampling.py."""
-    base = SamplingParams()
-    return SamplingParams(
-        temperature=msg.temperature if msg.HasField("temperature") else base.temperature,
-        top_k=msg.top_k if msg.HasField("top_k") else base.top_k,
-        top_p=msg.top_p if msg.HasField("top_p") else base.top_p,
-        min_p=msg.min_p if msg.HasField("min_p") else base.min_p,
-        seed=msg.seed if msg.HasField("seed") else None,
-    )
 
 
 def _params_usable(params: SamplingParams) -> bool:
@@ -254,7 +238,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         return None
 
     def _to_domain(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState) -> DraftRequest:
-        params = params_from_proto(seq.sampling_params)
+        params = sampling_params_from_proto(seq.sampling_params)
         k = min(seq.k, self.info.max_k)
         if self.info.max_model_len:
             k = min(k, max(0, self.info.max_model_len - seq.committed_len))
@@ -301,41 +285,6 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
-def tokenizer_fingerprint(name_or_path: str) -> str:
-    """sha256 of the token -> id mapping of a local model folder's tokenizer.json; "" when there is none.
-
-    Only local files are read (never the hub, never a GGUF parse): an unknown fingerprint is not checked.
-    """
-    from shared.model.loader import ModelSource
-
-    try:
-        folder = Path(ModelSource.resolve(name_or_path).name_or_path)
-    except (FileNotFoundError, OSError):
-        return ""
-    path = folder / "tokenizer.json"
-    if not path.is_file():
-        return ""
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-        vocab = dict(data.get("model", {}).get("vocab") or {})
-        for token in data.get("added_tokens") or []:
-            vocab[token["content"]] = token["id"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return ""
-    if not vocab or not isinstance(vocab, dict):
-        return ""
-    payload = json.dumps(sorted(vocab.items()), ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:32]
-
-
-def resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     """Load the draft model (kind draft-model) or make an n-gram drafter."""
     if config.kind == "ngram":
@@ -350,12 +299,12 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 
     from proposer_service.draft_model import DraftModelDrafter
     from shared.kv.block_manager import BlockManager
+    from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
+    from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_model
     from shared.model.runner import ModelRunner
     from shared.model.tp_group import check_tensor_parallel
     from shared.settings import default_draft_model
-    from verifier_service.builder import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
-    from verifier_service.engine import EngineConfig
 
     name = config.model or default_draft_model()
     started = time.monotonic()
@@ -367,10 +316,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         model, arch = load_model(name, dtype, device)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
     cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
-    sizing = EngineConfig(
-        num_speculative_tokens=config.max_k, max_num_seqs=config.max_num_seqs, max_model_len=max_model_len
-    )
-    num_blocks = default_num_blocks(sizing, cache)
+    num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
     runner: ModelRunner
     if tp_size > 1:
         runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)
@@ -396,6 +342,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     """The head from its folder and, from the target, only the embedding and LM head tensors."""
     from proposer_service.eagle import make_eagle_drafter
+    from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_embeddings
     from shared.settings import default_eagle_head, default_target_model
 
@@ -429,17 +376,18 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     return drafter, info
 
 
-class ProposerServer:
+class ProposerServer(ServiceRuntime):
     """A running proposer: gRPC server, servicer, health."""
 
+    role = "proposer"
+    log = log
+
     def __init__(self, server: grpc.aio.Server, servicer: ProposerServicer, health, port: int) -> None:
+        super().__init__()
         self.server = server
         self.servicer = servicer
         self.health = health
         self.port = port
-        self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
-        self.failure_reason: str | None = None
-        self._failing: asyncio.Task | None = None
         self.telemetry = Telemetry("specdec-proposer")
 
     @classmethod
@@ -479,23 +427,12 @@ class ProposerServer:
         )
         instance = cls(server, servicer, health, port)
         instance.telemetry = telemetry
-        if tp_runner is not None:
-            aio_loop = asyncio.get_running_loop()
-
-            def on_rank_failure(reason: str) -> None:  # any thread
-                aio_loop.call_soon_threadsafe(instance._start_failing, reason)
-
-            tp_runner.on_failure(on_rank_failure)
+        instance.watch_rank_failures()
         return instance
 
     @property
     def tp_runner(self) -> TPModelRunner | None:
         return _tp_runner(self.servicer.drafter)
-
-    def _start_failing(self, reason: str) -> None:
-        if self.failure_reason is None:
-            self.failure_reason = reason
-            self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
 
     async def _fail(self, reason: str) -> None:
         """A rank died: NOT_SERVING, stop serving (the verifier decodes with k = 0 or uses another proposer
@@ -504,15 +441,6 @@ class ProposerServer:
         await set_serving(self.health, [SERVICE_NAME], False)
         await self.server.stop(0.5)
         self.failed.set()
-
-    def exit_after_failure(self) -> None:
-        """Exit now, non-zero; a drafting thread may be stuck in a collective, so no orderly shutdown."""
-        log.critical("exiting after a tensor-parallel failure: %s", self.failure_reason)
-        runner = self.tp_runner
-        if runner is not None:
-            runner.group.kill()
-        logging.shutdown()
-        os._exit(RANK_FAILURE_EXIT_CODE)
 
     async def shutdown(self, grace_s: float) -> None:
         """NOT_SERVING, let the batches being drafted finish (at most grace_s), then close every stream."""
@@ -531,32 +459,8 @@ def _tp_runner(drafter: Drafter) -> TPModelRunner | None:
     return runner if isinstance(runner, TPModelRunner) else None
 
 
-async def _first(*aws) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-
-
 async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], None] | None = None) -> None:
-    stop = asyncio.Event()
-    install_sigterm(stop)
-    try:
-        server = await ProposerServer.start(config)
-    except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
-        log.error("cannot start the proposer: %s", err)
-        raise SystemExit(2) from err
-    if on_ready is not None:
-        on_ready(server)
-    await _first(stop.wait(), server.failed.wait())
-    if not server.failed.is_set():
-        shutdown = asyncio.ensure_future(server.shutdown(config.grace_period_s))
-        await _first(shutdown, server.failed.wait())  # a rank may die during the drain, too
-        if not server.failed.is_set():
-            await shutdown
-            return
-    server.exit_after_failure()
+    await ProposerServer.serve_until_stopped(lambda: ProposerServer.start(config), config.grace_period_s, on_ready)
 
 
 def main(argv: list[str] | None = None) -> None:

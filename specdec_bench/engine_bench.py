@@ -37,6 +37,7 @@ import torch
 
 from shared.kv.block_manager import BlockManager
 from shared.malloc_tuning import tune_malloc
+from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.loader import (
@@ -54,7 +55,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_draft_model, default_target_model
 from specdec_bench.memory import PeakRSS, max_rss
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
-from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter, make_runner
+from specdec_local.builder import build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 
 NUM_THREADS = 2

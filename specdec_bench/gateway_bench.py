@@ -344,8 +344,9 @@ class InProcess:
     """The engine in this process: same target and draft, same EngineConfig, k = 4 fixed, batch 1."""
 
     def __init__(self, target_name: str, draft_name: str) -> None:
+        from shared.model.build import CacheConfig
         from shared.model.loader import check_same_vocabulary, load_model
-        from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
+        from specdec_local.builder import build_engine, make_draft_model_drafter
         from verifier_service.engine import EngineConfig
 
         target = load_model(target_name)

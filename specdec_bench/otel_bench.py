@@ -40,7 +40,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_target_model
 from shared.telemetry import Telemetry, setup_telemetry
 from specdec_bench.prompts import QUOTING_PROMPTS
-from verifier_service.builder import build_engine
+from specdec_local.builder import build_engine
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.engine_loop import RequestUsage
 from verifier_service.telemetry import VerifierTelemetry

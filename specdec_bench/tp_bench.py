@@ -95,9 +95,9 @@ def settings(tps: list[int], device: str) -> list[Setting]:
 
 def make_runner(path: str, setting: Setting, device: str) -> ModelRunner:
     if setting.tp == 1:
+        from shared.model.build import CacheConfig
+        from shared.model.build import make_runner as make_local
         from shared.model.loader import load_model
-        from verifier_service.builder import CacheConfig
-        from verifier_service.builder import make_runner as make_local
 
         model, arch = load_model(path, torch.float32, device)
         return make_local(model, arch, num_blocks_needed(), CacheConfig(block_size=BLOCK))

@@ -139,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
 
 def evaluate(args: argparse.Namespace, target: str, target_model, embedding, lm_head):
     from proposer_service.eagle import make_eagle_drafter
-    from verifier_service.builder import CacheConfig, build_engine
+    from shared.model.build import CacheConfig
+    from specdec_local.builder import build_engine
     from verifier_service.engine import EngineConfig
 
     if args.quick:

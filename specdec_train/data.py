@@ -16,10 +16,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from shared.model.build import CacheConfig
 from shared.model.loader import load_model, load_tokenizer
 from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine
 from specdec_train.prompts import training_prompts
-from verifier_service.builder import CacheConfig, build_engine
 from verifier_service.engine import EngineConfig
 
 log = logging.getLogger("specdec.train")

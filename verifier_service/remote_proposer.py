@@ -26,8 +26,8 @@ import torch
 from shared.drafting import Draft, DraftRequest, SparseProbs
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
-from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
-from shared.sampling import SamplingParams
+from shared.proto_convert import sampling_params_to_proto
+from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.telemetry import inject_context
 
 log = logging.getLogger("specdec.verifier.proposer")
@@ -35,15 +35,6 @@ log = logging.getLogger("specdec.verifier.proposer")
 
 class IncompatibleProposerError(Exception):
     """The proposer drafts in another vocabulary: its token ids would be wrong for the target."""
-
-
-def params_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
-    msg = common_pb2.SamplingParams(
-        temperature=params.temperature, top_p=params.top_p, top_k=params.top_k, min_p=params.min_p
-    )
-    if params.seed is not None:
-        msg.seed = params.seed
-    return msg
 
 
 def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
@@ -331,7 +322,7 @@ class RemoteProposer:
                 new_token_ids=r.new_token_ids,
                 full_sequence=len(r.new_token_ids) == r.committed_len,
                 k=max(0, k),
-                sampling_params=params_to_proto(r.params),
+                sampling_params=sampling_params_to_proto(r.params),
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -19,13 +18,15 @@ import grpc
 
 from shared.config import load_config
 from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
-from shared.grpc_server import add_health_and_reflection, install_sigterm, new_server, set_serving, setup_logging
+from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
+from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
+from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
 from verifier_service.config import VerifierConfig
 from verifier_service.engine_loop import EngineLoop, StatsSnapshot, Update
@@ -35,7 +36,6 @@ from verifier_service.telemetry import VerifierTelemetry
 
 log = logging.getLogger("specdec.verifier")
 
-RANK_FAILURE_EXIT_CODE = 1  # a tensor-parallel rank died: the verifier cannot serve and exits
 RANK_FAILURE_DRAIN_S = 3.0  # time for the failing step to fail its requests (UNAVAILABLE) before exiting
 
 SERVICE_NAME = verifier_pb2.DESCRIPTOR.services_by_name["Verifier"].full_name
@@ -61,17 +61,11 @@ def request_to_domain(
     prompt = list(request.prompt_token_ids)
     if not prompt:
         raise InvalidRequestError("prompt_token_ids is empty: send at least one token")
-    sp = request.sampling_params
-    base = SamplingParams()
     max_tokens = request.max_tokens if request.HasField("max_tokens") else default_max_tokens
     if request.HasField("max_tokens") and max_tokens > max_model_len:
         raise InvalidRequestError(f"max_tokens {max_tokens} is beyond the context length {max_model_len}")
-    params = SamplingParams(
-        temperature=sp.temperature if sp.HasField("temperature") else base.temperature,
-        top_k=sp.top_k if sp.HasField("top_k") else base.top_k,
-        top_p=sp.top_p if sp.HasField("top_p") else base.top_p,
-        min_p=sp.min_p if sp.HasField("min_p") else base.min_p,
-        seed=sp.seed if sp.HasField("seed") else None,
+    params = sampling_params_from_proto(
+        request.sampling_params,
         max_tokens=max_tokens,
         stop_token_ids=tuple(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
@@ -210,8 +204,11 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
-class VerifierServer:
+class VerifierServer(ServiceRuntime):
     """A running verifier: engine loop, optional remote proposer, gRPC server with health and reflection."""
+
+    role = "verifier"
+    log = log
 
     def __init__(
         self,
@@ -223,6 +220,7 @@ class VerifierServer:
         loop: EngineLoop,
         proposer: RemoteProposer | None,
     ) -> None:
+        super().__init__()
         self.config = config
         self.server = server
         self.servicer = servicer
@@ -230,9 +228,6 @@ class VerifierServer:
         self.port = port
         self.loop = loop
         self.proposer = proposer
-        self.failed = asyncio.Event()  # set when a tensor-parallel rank died: serve() then exits non-zero
-        self.failure_reason: str | None = None
-        self._failing: asyncio.Task | None = None
         self.telemetry = Telemetry("specdec-verifier")
 
     @classmethod
@@ -251,12 +246,13 @@ class VerifierServer:
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
         import torch
 
-        from proposer_service.server import resolve_device
-        from proposer_service.server import tokenizer_fingerprint as fingerprint_of
+        from shared.model.build import CacheConfig, read_arch
+        from shared.model.info import resolve_device
+        from shared.model.info import tokenizer_fingerprint as fingerprint_of
         from shared.model.loader import load_model
         from shared.model.tp_group import check_tensor_parallel
         from shared.settings import default_target_model
-        from verifier_service.builder import CacheConfig, build_engine, read_arch
+        from verifier_service.builder import build_engine
         from verifier_service.engine import EngineConfig
 
         name = model_name or config.model or default_target_model()
@@ -356,24 +352,13 @@ class VerifierServer:
         )
         instance = cls(config, server, servicer, health, port, loop, proposer)
         instance.telemetry = telemetry
-        if isinstance(engine.runner, TPModelRunner):
-            aio_loop = asyncio.get_running_loop()
-
-            def on_rank_failure(reason: str) -> None:  # any thread
-                aio_loop.call_soon_threadsafe(instance._start_failing, reason)
-
-            engine.runner.on_failure(on_rank_failure)
+        instance.watch_rank_failures()
         return instance
 
     @property
     def tp_runner(self) -> TPModelRunner | None:
         runner = self.loop.engine.runner
         return runner if isinstance(runner, TPModelRunner) else None
-
-    def _start_failing(self, reason: str) -> None:
-        if self.failure_reason is None:
-            self.failure_reason = reason
-            self._failing = asyncio.get_running_loop().create_task(self._fail(reason))
 
     async def _fail(self, reason: str) -> None:
         """A rank died: NOT_SERVING at once, refuse new requests, let the failing step fail the running ones
@@ -384,16 +369,6 @@ class VerifierServer:
         await self.loop.drain(RANK_FAILURE_DRAIN_S)
         await self.server.stop(0.5)  # the UNAVAILABLE statuses flush
         self.failed.set()
-
-    def exit_after_failure(self) -> None:
-        """Exit the process now with a non-zero code: the step thread may be stuck in a collective, so no
-        orderly interpreter shutdown is attempted; the worker ranks are killed first."""
-        log.critical("exiting after a tensor-parallel failure: %s", self.failure_reason)
-        runner = self.tp_runner
-        if runner is not None:
-            runner.group.kill()
-        logging.shutdown()
-        os._exit(RANK_FAILURE_EXIT_CODE)
 
     async def shutdown(self, grace_s: float | None = None) -> None:
         """NOT_SERVING; refuse new requests; let running ones finish within grace_s; abort the rest (they end
@@ -415,32 +390,8 @@ class VerifierServer:
         log.info("verifier stopped")
 
 
-async def _first(*aws) -> None:
-    tasks = [asyncio.ensure_future(a) for a in aws]
-    await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-
-
 async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], None] | None = None) -> None:
-    stop = asyncio.Event()
-    install_sigterm(stop)
-    try:
-        server = await VerifierServer.start(config)
-    except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
-        log.error("cannot start the verifier: %s", err)
-        raise SystemExit(2) from err
-    if on_ready is not None:
-        on_ready(server)
-    await _first(stop.wait(), server.failed.wait())
-    if not server.failed.is_set():
-        shutdown = asyncio.ensure_future(server.shutdown())
-        await _first(shutdown, server.failed.wait())  # a rank may die during the drain, too
-        if not server.failed.is_set():
-            await shutdown
-            return
-    server.exit_after_failure()
+    await VerifierServer.serve_until_stopped(lambda: VerifierServer.start(config), config.grace_period_s, on_ready)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -9,10 +9,11 @@ import pytest
 from proposer_service.eagle import make_eagle_drafter
 from proposer_service.ngram import NgramDrafter
 from shared.drafting import Drafter
+from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from shared.settings import default_eagle_head
+from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.real_models import MAX_NEW_TOKENS
-from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow

@@ -24,14 +24,16 @@ from proposer_service.ngram import NgramDrafter
 from proposer_service.server import ProposerInfo, ProposerServer, pack_draft
 from shared.config import load_config
 from shared.drafting import Draft, DraftRequest
+from shared.model.build import CacheConfig
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
+from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
-from verifier_service.builder import CacheConfig, make_draft_model_drafter
+from specdec_local.builder import make_draft_model_drafter
 from verifier_service.engine import EngineConfig
 from verifier_service.rejection_sampler import sparse_to_dense_draft_probs
-from verifier_service.remote_proposer import params_to_proto, unpack_draft
+from verifier_service.remote_proposer import unpack_draft
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128
@@ -216,7 +218,7 @@ def test_sampled_drafts_send_the_exact_sparse_distribution():
                     new_token_ids=prompt,
                     full_sequence=True,
                     k=4,
-                    sampling_params=params_to_proto(params),
+                    sampling_params=sampling_params_to_proto(params),
                 )
             ]
         )

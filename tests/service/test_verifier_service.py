@@ -18,11 +18,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proposer_service.config import ProposerConfig
 from proposer_service.server import ProposerInfo, ProposerServer
 from shared.config import load_config
+from shared.model.build import CacheConfig
 from shared.model.loader import build_model
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
 from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter, tiny_llama
-from verifier_service.builder import CacheConfig, build_engine
+from verifier_service.builder import build_engine
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import EngineConfig
 from verifier_service.server import VerifierServer

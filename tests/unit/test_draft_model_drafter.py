@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from shared.drafting import DraftRequest
+from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from specdec_local.builder import make_draft_model_drafter
 from tests.tiny import hf_greedy, ours, tiny_hf_model
-from verifier_service.builder import CacheConfig, make_draft_model_drafter
 from verifier_service.engine import EngineConfig
 
 

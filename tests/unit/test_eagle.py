@@ -15,6 +15,7 @@ from shared.drafting import DraftRequest, FeatureStore
 from shared.feature_codec import features_from_proto, features_to_proto
 from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, build_metadata
+from shared.model.build import CacheConfig
 from shared.model.eagle import (
     arch_from_config,
     build_head,
@@ -26,9 +27,9 @@ from shared.model.eagle import (
 )
 from shared.proto_gen.specdec.v1 import proposer_pb2
 from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine
 from specdec_train.train import unrolled_forward
 from tests.tiny import hf_greedy, ours, tiny_hf_model
-from verifier_service.builder import CacheConfig, build_engine
 from verifier_service.engine import EngineConfig
 
 VOCAB = 96

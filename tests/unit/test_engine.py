@@ -9,9 +9,10 @@ import torch
 
 from proposer_service.ngram import NgramDrafter
 from shared.errors import InvalidRequestError, QueueFullError
+from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.tiny import hf_greedy, ours, tiny_hf_model
-from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.sequence import FinishReason
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
+from shared.proto_convert import sampling_params_from_proto, sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import (
     common_pb2,
     gateway_pb2,
@@ -19,6 +20,7 @@ from shared.proto_gen.specdec.v1 import (
     verifier_pb2,
     verifier_pb2_grpc,
 )
+from shared.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -142,6 +144,21 @@ def test_propose_request_round_trip():
     assert back.sequences[1].sampling_params.temperature == 0.0
     assert not back.sequences[1].sampling_params.HasField("seed")
     assert list(back.release_seq_ids) == ["req-0", "req-9"]
+
+
+def test_sampling_params_conversion_round_trips_and_fills_defaults():
+    params = SamplingParams(temperature=0.5, top_k=7, top_p=0.75, min_p=0.125, seed=2**40 + 3)
+    msg = sampling_params_to_proto(params)
+    assert sampling_params_from_proto(common_pb2.SamplingParams.FromString(msg.SerializeToString())) == params
+    # No seed: the field stays unset (not 0) and comes back as None; greedy 0.0 is sent explicitly.
+    unseeded = sampling_params_to_proto(SamplingParams())
+    assert not unseeded.HasField("seed") and unseeded.HasField("temperature")
+    assert sampling_params_from_proto(unseeded).seed is None
+    # Unset fields take SamplingParams' defaults; the fields outside the message come as overrides.
+    back = sampling_params_from_proto(
+        common_pb2.SamplingParams(top_k=3), max_tokens=9, stop_token_ids=(1, 2), ignore_eos=True
+    )
+    assert back == SamplingParams(top_k=3, max_tokens=9, stop_token_ids=(1, 2), ignore_eos=True)
 
 
 def test_propose_response_round_trip_with_packed_probs():

@@ -27,6 +27,7 @@ import torch
 from shared.errors import UnavailableError
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
+from shared.model.build import CacheConfig, read_arch
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
 from shared.model.parallel import ColumnParallelLinear, TensorParallel
@@ -34,9 +35,9 @@ from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tp_group import RankSpec, TPModelRunner, check_tensor_parallel, launch_tp_runner
 from shared.sampling import SamplingParams
 from shared.settings import default_target_model
+from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.tiny import hf_greedy, ours, tiny_hf_model
 from tests.unit.test_runner import CASES, Case, make_pair
-from verifier_service.builder import CacheConfig, build_engine, make_draft_model_drafter, read_arch
 from verifier_service.engine import Engine, EngineConfig
 
 ATOL = 1e-4  # fp32; the test_runner models have logits with a std of ~3

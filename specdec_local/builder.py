@@ -1,0 +1,51 @@
+"""Build an engine whose drafter runs in this process: n-gram, a local draft model, or any Drafter."""
+
+from __future__ import annotations
+
+import torch
+
+from proposer_service.draft_model import DraftModelDrafter
+from proposer_service.ngram import NgramDrafter
+from shared.drafting import Drafter
+from shared.kv.block_manager import BlockManager
+from shared.model.build import CacheConfig, make_runner
+from shared.model.config import ModelArch
+from shared.model.llama import LlamaModel
+from shared.model.loader import check_same_vocabulary, load_model
+from verifier_service.builder import assemble_engine, closing_on_failure, engine_num_blocks, load_target
+from verifier_service.engine import Engine, EngineConfig
+
+
+def make_draft_model_drafter(
+    model: LlamaModel, arch: ModelArch, config: EngineConfig, cache: CacheConfig, top_n: int = 64
+) -> DraftModelDrafter:
+    arch.check_context_length(config.max_model_len, "the draft model")
+    num_blocks = engine_num_blocks(config, CacheConfig(cache.block_size, None, cache.attention_backend))
+    runner = make_runner(model, arch, num_blocks, cache)
+    blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+    return DraftModelDrafter(runner, blocks, top_n=top_n)
+
+
+def build_engine(
+    target: str | tuple[LlamaModel, ModelArch],
+    drafter: str | Drafter | None = None,  # "ngram", a draft model name/path, a Drafter, or None (k = 0)
+    config: EngineConfig | None = None,
+    cache: CacheConfig | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
+) -> Engine:
+    """At `tensor_parallel_size` > 1 the target must be a name or path: every rank loads its own shard.
+    The in-process draft model (a name here) always runs at TP 1; a larger draft belongs in a proposer
+    service, which has its own --tensor-parallel-size."""
+    config = config or EngineConfig()
+    cache = cache or CacheConfig()
+    runner, arch = load_target(target, config, cache, dtype, device, tensor_parallel_size)
+    with closing_on_failure(runner):
+        if drafter == "ngram":
+            drafter = NgramDrafter()
+        elif isinstance(drafter, str):
+            draft_model, draft_arch = load_model(drafter, dtype, device)
+            check_same_vocabulary(arch, draft_arch, str(target), drafter)
+            drafter = make_draft_model_drafter(draft_model, draft_arch, config, cache)
+        return assemble_engine(runner, arch, drafter, config, cache)
