@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--unroll", type=int, default=TrainConfig.unroll, help="training-time-test steps (1 = EAGLE-1)")
-    p.add_argument("--time-budget-min", type=float, default=33.0, help="stop training after this (0 = no limit)")
+    p.add_argument("--time-budget-min", type=float, default=30.0, help="stop training after this (0 = no limit)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
             "0",
         ]
     )
-    save_head(args.out, config, trainer.state)
+    save_head(args.out, config, trainer.best_state())
     plot_losses(trainer.history, args.out / "loss.png")
 
     acceptance = evaluate(args, target, target_model, embedding, lm_head)
@@ -129,7 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         seed=args.seed, steps=trainer.step, batch_size=args.batch_size, max_len=args.max_len, lr=args.lr,
         cls_weight=train_config.cls_weight, unroll=args.unroll, data_minutes=data_minutes,
         train_minutes=train_minutes, machine=f"{platform.machine()}, {torch.get_num_threads()} threads",
-        top1=top1, eval_k=args.eval_k, eval_tokens=args.eval_tokens, mean_len=acceptance.mean_accepted_length,
+        top1=top1, best_step=trainer.best[1] if trainer.best else trainer.step,
+        val_top1=trainer.best[0] if trainer.best else float("nan"),
+        val_samples=round(len(samples) * train_config.val_fraction), eval_k=args.eval_k,
+        eval_tokens=args.eval_tokens, mean_len=acceptance.mean_accepted_length,
         per_position=", ".join(f"{p:.2f}" for p in acceptance.per_position),
     )  # fmt: skip
     print(

@@ -93,7 +93,10 @@ def plot_losses(history: list[dict[str, float]], path: Path) -> None:
     for key in sorted(k for k in history[0] if k.startswith("top1_")):
         ax_top1.plot(steps, smooth([h[key] for h in history]), label=f"unroll step {key[5:]}")
     ax_loss.set(xlabel="step", ylabel="loss (smoothed)", yscale="log", title="EAGLE loss")
-    ax_top1.set(xlabel="step", ylabel="top-1 agreement with the target", title="training batches")
+    val = [(h["step"], h["val_top1"]) for h in history if "val_top1" in h]
+    if val:
+        ax_top1.plot(*zip(*val, strict=True), "o-", label="held-out samples, step 1")
+    ax_top1.set(xlabel="step", ylabel="top-1 agreement with the target", title="training and held-out")
     ax_top1.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -125,7 +128,8 @@ are read from the target at load time.
   loss = smooth-L1(feature) + {cls_weight} x CE(target distribution over the subset), unrolled {unroll}
   step(s) on the head's own predicted features (training-time test).
 - Time: data {data_minutes:.1f} min, training {train_minutes:.1f} min on {machine}.
-- Final training-batch top-1 agreement (last 50 steps): {top1}.
+- Final training-batch top-1 agreement (last 50 steps): {top1}. The weights kept are those of step
+  {best_step}, the best top-1 agreement on the {val_samples} samples held out of training: {val_top1:.3f}.
 
 ![loss curve](loss.png)
 

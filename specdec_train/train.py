@@ -40,6 +40,9 @@ class TrainConfig:
     checkpoint_every: int = 200
     time_budget_s: float = 0.0  # 0 = none; otherwise stop (and save) once spent
     seed: int = 0
+    dropout: float = 0.1  # on the fc output and each sub-layer's output, training only
+    val_fraction: float = 0.05  # samples held out to pick the best checkpoint (the data is small: it overfits)
+    eval_every: int = 100
 
 
 @dataclass
@@ -83,6 +86,7 @@ def unrolled_forward(
     features: torch.Tensor,  # [B, S, hidden]
     next_embeds: torch.Tensor,  # [B, S, hidden]
     unroll: int,
+    dropout: float = 0.0,
 ) -> list[torch.Tensor]:  # per step s: [B, S, hidden], position j's prediction of f_{j+1}
     """Step 1 equals `shared.model.eagle.reference_forward`. At step s > 1 position j reads the prediction
     of step s - 1 at position j - 1 and attends to real keys at positions <= j - s + 1 and to the key of
@@ -96,6 +100,7 @@ def unrolled_forward(
     inputs = features
     for step in range(1, unroll + 1):
         x = F.linear(torch.cat([inputs, next_embeds], dim=-1), state["fc.weight"], state["fc.bias"])
+        x = F.dropout(x, dropout, training=dropout > 0)
         mask = _step_mask(seq_len, step)  # [S, step * S]
         for i in range(arch.num_layers):
             p = f"layers.{i}."
@@ -113,10 +118,13 @@ def unrolled_forward(
                 attn_mask=mask,
                 scale=default_scale(head_dim),
             )  # [B, heads, S, D]
-            x = x + F.linear(attn.transpose(1, 2).reshape(batch, seq_len, -1), state[f"{p}self_attn.o_proj.weight"])
+            attn_out = F.linear(attn.transpose(1, 2).reshape(batch, seq_len, -1), state[f"{p}self_attn.o_proj.weight"])
+            x = x + F.dropout(attn_out, dropout, training=dropout > 0)
             y = _rms_norm(x, state[f"{p}post_attention_layernorm.weight"], arch.rms_norm_eps)
             gate, up = F.linear(y, state[f"{p}mlp.gate_proj.weight"]), F.linear(y, state[f"{p}mlp.up_proj.weight"])
-            x = x + F.linear(F.silu(gate) * up, state[f"{p}mlp.down_proj.weight"])
+            x = x + F.dropout(
+                F.linear(F.silu(gate) * up, state[f"{p}mlp.down_proj.weight"]), dropout, training=dropout > 0
+            )
         outputs.append(x)
         inputs = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # position j reads j - 1's guess
     return outputs
@@ -150,6 +158,7 @@ class Trainer:
         self.step = 0
         self.planned_steps = self.config.steps  # lowered to what the time budget allows, once measured
         self.history: list[dict[str, float]] = []
+        self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (val top-1, step, weights)
 
     def lr_at(self, step: int) -> float:
         c = self.config
@@ -158,10 +167,11 @@ class Trainer:
         progress = (step - c.warmup) / max(1, self.planned_steps - c.warmup)
         return c.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+    def loss(self, batch: Batch, train: bool = True) -> tuple[torch.Tensor, dict[str, float]]:
         c = self.config
         next_embeds = F.embedding(batch.next_ids, self.embedding)
-        outputs = unrolled_forward(self.state, self.arch, self.rotary, batch.features, next_embeds, c.unroll)
+        dropout = c.dropout if train else 0.0
+        outputs = unrolled_forward(self.state, self.arch, self.rotary, batch.features, next_embeds, c.unroll, dropout)
         target_feats = batch.features[:, 1:]  # [B, S-1, hidden]: f_{j+1}
         with torch.no_grad():
             teacher = torch.softmax(target_feats @ self.subset_head.T, dim=-1)  # [B, S-1, draft_vocab]
@@ -202,6 +212,7 @@ class Trainer:
                 "step": self.step,
                 "planned_steps": self.planned_steps,
                 "history": self.history,
+                "best": self.best,
                 "config": asdict(self.config),
             },
             tmp,
@@ -219,11 +230,33 @@ class Trainer:
                 self.state[name].copy_(value)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.step, self.history, self.planned_steps = ckpt["step"], ckpt["history"], ckpt["planned_steps"]
+        self.best = ckpt["best"]
         return True
+
+    def validate(self, batches: list[Batch]) -> float:
+        """Top-1 agreement of unroll step 1 with the target on held-out samples."""
+        with torch.no_grad():
+            values = [self.loss(b, train=False)[1]["top1_1"] for b in batches]
+        return sum(values) / max(1, len(values))
+
+    def _evaluate(self, val_batches: list[Batch]) -> None:
+        if not val_batches:
+            return
+        value = self.validate(val_batches)
+        self.history[-1]["val_top1"] = value
+        if self.best is None or value > self.best[0]:
+            self.best = (value, self.step, {k: v.detach().clone() for k, v in self.state.items()})
+
+    def best_state(self) -> dict[str, torch.Tensor]:
+        return self.best[2] if self.best is not None else self.state
 
     def fit(self, samples: list[dict], checkpoint: Path) -> None:
         c = self.config
         resumed = self.load_checkpoint(checkpoint)
+        split = random.Random(c.seed).sample(range(len(samples)), round(len(samples) * c.val_fraction))
+        val = [samples[i] for i in sorted(split)]
+        samples = [s for i, s in enumerate(samples) if i not in set(split)]
+        val_batches = make_batches(val, c, random.Random(c.seed)) if val else []
         per_epoch = len(make_batches(samples, c, random.Random(c.seed * 1000)))  # the same count every epoch
         started, first_step = time.monotonic(), self.step
         bar = tqdm(total=c.steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else ""))
@@ -232,14 +265,18 @@ class Trainer:
             for batch in make_batches(samples, c, random.Random(c.seed * 1000 + epoch))[skip:]:
                 stats = self.train_step(batch)
                 bar.update(1)
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}")
+                best = f"{self.best[0]:.2f}" if self.best else "-"
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", val=best)
                 spent = time.monotonic() - started
                 if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
-                    # The cosine schedule ends where the budget will: steps at the pace measured so far.
-                    self.planned_steps = min(c.steps, int(c.time_budget_s / spent * PACE_STEPS))
+                    # The cosine schedule ends where the budget will, at the pace measured so far (with a
+                    # margin: evaluations and a busier machine slow the rest down).
+                    self.planned_steps = min(c.steps, int(0.85 * c.time_budget_s / spent * PACE_STEPS))
                     bar.total = self.planned_steps
                 out_of_time = c.time_budget_s and spent > c.time_budget_s
                 done = self.step >= self.planned_steps
+                if self.step % c.eval_every == 0 or done or out_of_time:
+                    self._evaluate(val_batches)
                 if self.step % c.checkpoint_every == 0 or done or out_of_time:
                     self.save_checkpoint(checkpoint)
                 if done or out_of_time:
