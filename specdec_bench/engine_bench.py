@@ -438,8 +438,9 @@ def measure_costs(models: Models, prompts: list[list[int]], batch: int, ks: Sequ
         "verify_cost": {k: target[k + 1] / target[1] for k in ks},
     }
     if head_t:
-        out["eagle_step_s"] = statistics.median(head_t)
-        out["c_eagle"] = out["eagle_step_s"] / target[1]
+        eagle_step = statistics.median(head_t)
+        out["eagle_step_s"] = eagle_step
+        out["c_eagle"] = eagle_step / target[1]
     return out
 
 
@@ -474,7 +475,7 @@ class Plan:
     keys: tuple[str, ...] = ()  # the selected rows (select_configs); empty: all but the optional ones
 
 
-def select_configs(only: str, hf_quoting: bool, eagle: bool) -> tuple[tuple[str, ...], list[str]]:
+def select_configs(only: str, hf_quoting: bool, eagle: bool, eagle_dir: str = "") -> tuple[tuple[str, ...], list[str]]:
     """The keys to run and notes about the choice. `only`: comma-separated keys ('' for the default set);
     the engine baseline of every selected engine row is added, so its x (c) can be computed. Without an
     EAGLE head the eagle rows are left out (an error when asked for by name)."""
@@ -491,7 +492,10 @@ def select_configs(only: str, hf_quoting: bool, eagle: bool) -> tuple[tuple[str,
                 picked.add(cfg.baseline_engine)
                 notes.append(f"added {cfg.baseline_engine} (the baseline of {key})")
         if not eagle and any(CONFIG_BY_KEY[k].drafter == "eagle" for k in picked):
-            raise SystemExit("--only asks for EAGLE rows but the head's folder does not exist (see --eagle-head)")
+            raise SystemExit(
+                f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
+                "set --eagle-head or SPECDEC_EAGLE_HEAD"
+            )
     else:
         picked = {c.key for c in CONFIGS if hf_quoting or not c.optional}
         if not eagle:
@@ -899,7 +903,7 @@ def main(argv: list[str] | None = None) -> int:
 
     eagle_dir = args.eagle_head or default_eagle_head()
     has_eagle = Path(eagle_dir, "config.json").is_file()
-    keys, notes = select_configs(args.only, args.hf_quoting, has_eagle)
+    keys, notes = select_configs(args.only, args.hf_quoting, has_eagle, eagle_dir)
     if not has_eagle:
         print(
             f"EAGLE rows (g4, ga) left out: no head at {eagle_dir} (config.json missing). Train one with "

@@ -193,7 +193,7 @@ class Stack:
             return verifier_pb2_grpc.VerifierStub(ch).GetStats(verifier_pb2.VerifierGetStatsRequest(), timeout=30)
 
 
-def select_configs(only: str, eagle: bool) -> tuple[tuple[str, ...], list[str]]:
+def select_configs(only: str, eagle: bool, eagle_dir: str = "") -> tuple[tuple[str, ...], list[str]]:
     """The keys to run and notes. `only`: comma-separated keys ('' for all); each row's target-only baseline
     is added. Without an EAGLE head its rows are left out (an error when asked for by name)."""
     notes = []
@@ -209,7 +209,10 @@ def select_configs(only: str, eagle: bool) -> tuple[tuple[str, ...], list[str]]:
                 picked.add(base)
                 notes.append(f"added {base} (the baseline of {key})")
         if not eagle and any(CONFIG_BY_KEY[k].stack == "eagle" for k in picked):
-            raise SystemExit("--only asks for EAGLE rows but the head's folder does not exist (see --eagle-head)")
+            raise SystemExit(
+                f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
+                "set --eagle-head or SPECDEC_EAGLE_HEAD"
+            )
     else:
         picked = {c.key for c in CONFIGS if eagle or c.stack != "eagle"}
     return tuple(c.key for c in CONFIGS if c.key in picked), notes
@@ -784,7 +787,7 @@ def main(argv: list[str] | None = None) -> int:
 
     eagle_dir = str(Path(args.eagle_head or default_eagle_head()).resolve())  # the services run in the repo root
     has_eagle = Path(eagle_dir, "config.json").is_file()
-    keys, notes = select_configs(args.only, has_eagle)
+    keys, notes = select_configs(args.only, has_eagle, eagle_dir)
     if not has_eagle:
         print(
             f"EAGLE rows (g4, g4s) left out: no head at {eagle_dir} (config.json missing). Train one with "
