@@ -781,11 +781,11 @@ def render(summary: dict, meta: dict) -> str:
 
 
 def render_drafting(summary: dict) -> list[str]:
-    """The EAGLE head beside the draft model: cost per draft position, acceptance per draft position."""
+    """Every drafting row (EAGLE head, draft model, n-gram): cost and acceptance per draft position."""
     rows = [r for r in summary["rows"] if "position_acceptance" in r]
     if not rows:
         return []
-    out = ["", "### EAGLE head and draft model: draft cost and acceptance per draft position", ""]
+    out = ["", "### Draft cost and acceptance per draft position (EAGLE head beside the draft model)", ""]
     for b, c in summary["costs"].items():
         if "c_eagle" in c:
             out.append(
