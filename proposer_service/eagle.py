@@ -267,7 +267,16 @@ def make_eagle_drafter(
     """The head from its folder, with the target's embedding and LM head [vocab, hidden] (only those tensors)."""
     from shared.model.eagle import build_head
 
-    head, arch = build_head(head_dir, target_embedding, target_lm_head, device)
-    dtype = head.fc_weight.dtype
-    cache = KVCache(arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, dtype, device)
+    head, _ = build_head(head_dir, target_embedding, target_lm_head, device)
+    return drafter_for_head(head, num_blocks, block_size, enable_prefix_caching, top_n)
+
+
+def drafter_for_head(
+    head: EagleHead, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, top_n: int = 64
+) -> EagleDrafter:
+    """A drafter with a fresh KV cache around a head already loaded (several engines can share one head)."""
+    arch, weight = head.arch, head.fc_weight
+    cache = KVCache(
+        arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, weight.dtype, weight.device
+    )
     return EagleDrafter(head, cache, BlockManager(num_blocks, block_size, enable_prefix_caching), top_n)

@@ -1,6 +1,6 @@
-"""Engine benchmark: our engine (plain, draft model, n-gram) against transformers `generate`, side by side.
+"""Engine benchmark: our engine (plain, draft model, EAGLE head, n-gram) against transformers `generate`.
 
-    python -m specdec_bench.engine_bench [--quick] [--runs N] [--out docs/BENCHMARKS.md]
+    python -m specdec_bench.engine_bench [--quick] [--runs N] [--only c,d4,g4] [--out docs/BENCHMARKS.md]
 
 One process loads each model once, then for batch 1 and batch 8, greedy and temperature 0.8, times every
 configuration on the same prompts with the same forced number of new tokens, repeats that `--runs` times
@@ -14,9 +14,13 @@ configuration on the same prompts with the same forced number of new tokens, rep
     (e) our engine with n-gram drafting, k = 4 and 8, on prompts that quote their input; (c) and (a) are run
         on those prompts too so that (e)/(c) is a fair ratio
     (d'), (e') the engine's default adaptive draft length with the draft model (k <= 4) and n-gram (k <= 8)
+    (g) our engine with the EAGLE head (fed the target's hidden states), k = 4, and (g') adaptive k <= 6,
+        general prompts; left out, with a message, when the head's folder (--eagle-head) does not exist
 
 It also measures the draft/target forward cost ratio c and compares (d)/(c) with the textbook prediction
-(1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. 2023), a = measured per-token acceptance rate.
+(1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. 2023), a = measured per-token acceptance rate; for the
+EAGLE head the same ratio (one head draft position / one target step), and for every drafting row the
+acceptance per draft position. `--only` runs a subset of the rows (their engine baseline (c) is added).
 """
 
 from __future__ import annotations
@@ -36,9 +40,12 @@ from pathlib import Path
 import torch
 
 from shared.kv.block_manager import BlockManager
+from shared.kv.cache import KVCache
 from shared.malloc_tuning import tune_malloc
+from shared.model.attention import SeqSpan, build_metadata
 from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
+from shared.model.eagle import EagleHead
 from shared.model.llama import LlamaModel
 from shared.model.loader import (
     ModelSource,
@@ -52,10 +59,11 @@ from shared.model.loader import (
 )
 from shared.model.runner import ForwardItem
 from shared.sampling import SamplingParams
-from shared.settings import default_draft_model, default_target_model
+from shared.settings import default_draft_model, default_eagle_head, default_target_model
 from specdec_bench.memory import PeakRSS, max_rss
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
 from specdec_local.builder import build_engine, make_draft_model_drafter
+from verifier_service.builder import engine_num_blocks
 from verifier_service.engine import Engine, EngineConfig
 
 NUM_THREADS = 2
@@ -73,7 +81,7 @@ class Config:
     label: str
     prompt_set: str  # "general" or "quoting"
     kind: str  # hf, hf-assisted, engine
-    drafter: str | None = None  # engine: None, "draft", "ngram"
+    drafter: str | None = None  # engine: None, "draft", "eagle", "ngram"
     k: int = 0
     batch1_only: bool = False
     optional: bool = False  # run only with --hf-quoting
@@ -95,6 +103,18 @@ CONFIGS: tuple[Config, ...] = (
     Config("d2", "(d) engine + draft, k=2", "general", "engine", "draft", 2),
     Config("d4", "(d) engine + draft, k=4", "general", "engine", "draft", 4),
     Config("da", "(d') engine + draft, adaptive k<=4 (engine default)", "general", "engine", "draft", 4, adaptive=True),
+    Config("g4", "(g) engine + EAGLE head, k=4", "general", "engine", "eagle", 4),
+    # Adaptive up to 6, not 4: a head position costs a fraction of a draft-model step, so the policy's best k
+    # can be above 4; where it is not (low acceptance, costly scoring of extra tokens) the policy stays lower.
+    Config(
+        "ga",
+        "(g') engine + EAGLE head, adaptive k<=6 (engine default policy)",
+        "general",
+        "engine",
+        "eagle",
+        6,
+        adaptive=True,
+    ),
     Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
     Config("cq", "(c) engine k=0 [quoting]", "quoting", "engine"),
     Config("e", "(e) engine + n-gram, k=4 [quoting]", "quoting", "engine", "ngram", 4),
@@ -121,6 +141,9 @@ class Measurement:
     accepted: int = 0
     draft_rounds: int = 0
     outputs: list[list[int]] = field(default_factory=list)
+    # per draft position i (0-based): steps that drafted at least i+1 tokens / accepted at least i+1
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -130,12 +153,14 @@ class Measurement:
 @dataclass
 class Models:
     tokenizer: object
-    hf_target: object
+    hf_target: object  # None when no transformers row is selected
     hf_draft: object
     target: tuple[LlamaModel, ModelArch]
     draft: tuple[LlamaModel, ModelArch]
     target_name: str
     draft_name: str
+    eagle_head: EagleHead | None = None  # loaded once; each engine gets its own KV cache for it
+    eagle_dir: str | None = None
 
     @property
     def pad_id(self) -> int:
@@ -146,8 +171,9 @@ class Models:
 # ---- loading -------------------------------------------------------------------------------------------
 
 
-def load_models(target_name: str, draft_name: str) -> Models:
-    """Each model once: ours from the (cached, de-quantised) weights, transformers' from the same tensors."""
+def load_models(target_name: str, draft_name: str, hf: bool = True, eagle_dir: str | None = None) -> Models:
+    """Each model once: ours from the (cached, de-quantised) weights, transformers' from the same tensors
+    (only when `hf`: some transformers row is selected), the EAGLE head from `eagle_dir` (when given)."""
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
@@ -158,15 +184,25 @@ def load_models(target_name: str, draft_name: str) -> Models:
     state = load_state_dict(source)
     target_arch = ModelArch.from_hf_config(hf_config)
     target = (build_model(target_arch, state), target_arch)
-    hf_target = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    hf_target.load_state_dict(state, strict=False)  # lm_head is tied to the embedding
-    hf_target.tie_weights()
-    hf_target.eval()
+    hf_target = hf_draft = None
+    if hf:
+        hf_target = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        hf_target.load_state_dict(state, strict=False)  # lm_head is tied to the embedding
+        hf_target.tie_weights()
+        hf_target.eval()
     del state
     draft = load_model(draft_name)
     check_same_vocabulary(target_arch, draft[1], target_name, draft_name)
-    hf_draft = load_hf_model(draft_name)
-    return Models(load_tokenizer(target_name), hf_target, hf_draft, target, draft, target_name, draft_name)
+    if hf:
+        hf_draft = load_hf_model(draft_name)
+    head = None
+    if eagle_dir is not None:
+        from shared.model.eagle import build_head
+
+        model = target[0]
+        head, _ = build_head(eagle_dir, model.embed_tokens.weight, model.lm_head_weight)
+    tokenizer = load_tokenizer(target_name)
+    return Models(tokenizer, hf_target, hf_draft, target, draft, target_name, draft_name, head, eagle_dir)
 
 
 def chat_ids(tokenizer, prompt: str) -> list[int]:
@@ -189,11 +225,21 @@ def engine_config(k: int, adaptive: bool) -> EngineConfig:
     )
 
 
+def make_eagle_engine_drafter(head: EagleHead, config: EngineConfig):
+    """The head loaded once, a fresh head KV cache per engine."""
+    from proposer_service.eagle import drafter_for_head
+
+    return drafter_for_head(head, engine_num_blocks(config, CacheConfig()))
+
+
 def build(models: Models, cfg: Config) -> Engine:
     config = engine_config(cfg.k, cfg.adaptive)
     if cfg.drafter == "draft":
         drafter = make_draft_model_drafter(*models.draft, config, CacheConfig())
         return build_engine(models.target, drafter, config)
+    if cfg.drafter == "eagle":
+        assert models.eagle_head is not None
+        return build_engine(models.target, make_eagle_engine_drafter(models.eagle_head, config), config)
     return build_engine(models.target, cfg.drafter, config)  # None (k = 0) or "ngram"
 
 
@@ -201,6 +247,8 @@ def run_engine(
     models: Models, cfg: Config, prompts: list[list[int]], batch: int, temperature: float, max_tokens: int, seed: int
 ) -> Measurement:
     outputs: dict[str, list[int]] = {}
+    pos_drafted = [0] * cfg.k
+    pos_accepted = [0] * cfg.k
     with PeakRSS() as mem:
         engine = build(models, cfg)
         groups = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
@@ -211,6 +259,11 @@ def run_engine(
                 engine.add_request(str(n), ids, sampling_params(temperature, max_tokens, seed + n))
             while engine.has_unfinished():
                 for out in engine.step():
+                    # the accepted drafts are a prefix of the drafted ones: positions 0..num_accepted-1
+                    for i in range(out.num_drafted):
+                        pos_drafted[i] += 1
+                    for i in range(out.num_accepted):
+                        pos_accepted[i] += 1
                     if out.finished:
                         outputs[out.request_id] = out.output_ids
         seconds = time.perf_counter() - start
@@ -226,6 +279,8 @@ def run_engine(
         stats.accepted_tokens,
         stats.draft_rounds,
         ordered,
+        pos_drafted,
+        pos_accepted,
     )
 
 
@@ -308,27 +363,75 @@ def time_forward(model: LlamaModel, arch: ModelArch, prompts: list[list[int]], q
     return {q: statistics.median(s) for q, s in samples.items()}
 
 
+def time_head_forward(head: EagleHead, prompts: list[list[int]], reps: int) -> float:
+    """Median seconds of one EAGLE draft position over len(prompts) sequences: one head forward of one
+    token per sequence plus its logits over the head's vocabulary subset, as `EagleDrafter._draft` does per
+    position after the first. The head's cache is filled first (positions 0..len-2, as after catch-up) and
+    every timed forward writes position len-1, so the context length stays fixed. Feature values do not
+    change the cost: random ones stand in for the target's."""
+    arch, block_size = head.arch, CacheConfig().block_size
+    per_seq = -(-max(map(len, prompts)) // block_size)
+    num_blocks = per_seq * len(prompts)
+    cache = KVCache(
+        arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, head.fc_weight.dtype, "cpu"
+    )
+    blocks = BlockManager(num_blocks, block_size)
+    tables = []
+    for i, ids in enumerate(prompts):
+        blocks.reserve(str(i), len(ids))
+        tables.append(blocks.block_table(str(i)))
+    gen = torch.Generator().manual_seed(0)
+
+    def forward(spans: list[SeqSpan], next_ids: list[int]) -> torch.Tensor:
+        meta = build_metadata(spans, block_size, head.fc_weight.device)
+        features = torch.randn(len(next_ids), arch.hidden_size, generator=gen)
+        return head(features, torch.tensor(next_ids, dtype=torch.int64), cache.layers, meta)
+
+    forward(
+        [SeqSpan(t, 0, len(ids) - 1) for t, ids in zip(tables, prompts, strict=True)],
+        [x for p in prompts for x in p[1:]],
+    )
+    spans = [SeqSpan(t, len(ids) - 1, 1) for t, ids in zip(tables, prompts, strict=True)]
+    last = [ids[-1] for ids in prompts]
+    samples = []
+    for rep in range(reps + 1):
+        start = time.perf_counter()
+        head.compute_logits(forward(spans, last)).argmax(dim=-1)
+        if rep:  # the first round is a warm-up
+            samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
 def measure_costs(models: Models, prompts: list[list[int]], batch: int, ks: Sequence[int], reps: int) -> dict:
     """c = draft forward time / target forward time for one token per sequence at this batch size, and
-    v_k = target forward time for k+1 tokens per sequence / for 1 (the textbook formula assumes v_k = 1).
-    Target and draft are timed in alternation, `rounds` times, and the medians taken."""
+    v_k = target forward time for k+1 tokens per sequence / for 1 (the textbook formula assumes v_k = 1);
+    with an EAGLE head also c_eagle = one head draft position / the same target step.
+    Target, draft and head are timed in alternation, 3 times, and the medians taken."""
     group = prompts[:batch]
     target_q = sorted({1, *(k + 1 for k in ks)})
     target_t: dict[int, list[float]] = {q: [] for q in target_q}
     draft_t: list[float] = []
+    head_t: list[float] = []
     for _ in range(3):
         for q, t in time_forward(*models.target, group, target_q, reps).items():
             target_t[q].append(t)
         draft_t.append(time_forward(*models.draft, group, [1], reps)[1])
+        if models.eagle_head is not None:
+            head_t.append(time_head_forward(models.eagle_head, group, reps))
     target = {q: statistics.median(v) for q, v in target_t.items()}
     draft = statistics.median(draft_t)
-    return {
+    out = {
         "batch": batch,
         "target_step_s": target[1],
         "draft_step_s": draft,
         "c": draft / target[1],
         "verify_cost": {k: target[k + 1] / target[1] for k in ks},
     }
+    if head_t:
+        eagle_step = statistics.median(head_t)
+        out["eagle_step_s"] = eagle_step
+        out["c_eagle"] = eagle_step / target[1]
+    return out
 
 
 def per_token_alpha(accepted_per_round: float, k: int) -> float:
@@ -359,6 +462,35 @@ class Plan:
     cost_reps: int
     hf_quoting: bool = False
     threads: int = NUM_THREADS
+    keys: tuple[str, ...] = ()  # the selected rows (select_configs); empty: all but the optional ones
+
+
+def select_configs(only: str, hf_quoting: bool, eagle: bool, eagle_dir: str = "") -> tuple[tuple[str, ...], list[str]]:
+    """The keys to run and notes about the choice. `only`: comma-separated keys ('' for the default set);
+    the engine baseline of every selected engine row is added, so its x (c) can be computed. Without an
+    EAGLE head the eagle rows are left out (an error when asked for by name)."""
+    notes = []
+    if only:
+        wanted = [k.strip() for k in only.split(",") if k.strip()]
+        unknown = [k for k in wanted if k not in CONFIG_BY_KEY]
+        if unknown:
+            raise SystemExit(f"--only: unknown row(s) {unknown}; rows are {', '.join(CONFIG_BY_KEY)}")
+        picked = set(wanted)
+        for key in wanted:
+            cfg = CONFIG_BY_KEY[key]
+            if cfg.kind == "engine" and cfg.baseline_engine not in picked:
+                picked.add(cfg.baseline_engine)
+                notes.append(f"added {cfg.baseline_engine} (the baseline of {key})")
+        if not eagle and any(CONFIG_BY_KEY[k].drafter == "eagle" for k in picked):
+            raise SystemExit(
+                f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
+                "set --eagle-head or SPECDEC_EAGLE_HEAD"
+            )
+    else:
+        picked = {c.key for c in CONFIGS if hf_quoting or not c.optional}
+        if not eagle:
+            picked -= {c.key for c in CONFIGS if c.drafter == "eagle"}
+    return tuple(c.key for c in CONFIGS if c.key in picked), notes
 
 
 class Progress:
@@ -385,14 +517,20 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
     costs = {}
     for batch in BATCH_SIZES:
         costs[batch] = measure_costs(models, prompt_ids["general"], batch, (2, 4), plan.cost_reps)
+        c = costs[batch]
+        eagle = (
+            f", EAGLE head position {c['eagle_step_s'] * 1e3:.2f} ms, c_eagle = {c['c_eagle']:.3f}"
+            if "c_eagle" in c
+            else ""
+        )
         log(
             f"cost ratio batch {batch}: target step {costs[batch]['target_step_s'] * 1e3:.1f} ms, draft step "
-            f"{costs[batch]['draft_step_s'] * 1e3:.1f} ms, c = {costs[batch]['c']:.3f}, verify cost "
+            f"{costs[batch]['draft_step_s'] * 1e3:.1f} ms, c = {costs[batch]['c']:.3f}{eagle}, verify cost "
             + ", ".join(f"k={k}: {v:.2f}x" for k, v in costs[batch]["verify_cost"].items())
         )
 
     groups = [(b, t) for b in BATCH_SIZES for t in TEMPERATURES]
-    wanted = [c for c in CONFIGS if plan.hf_quoting or not c.optional]
+    wanted = [CONFIG_BY_KEY[k] for k in plan.keys]
     active = {(b, t): [c for c in wanted if not (c.batch1_only and b > 1)] for b, t in groups}
 
     def prompts_for(cfg: Config, batch: int, run: int) -> list[list[int]]:
@@ -406,7 +544,8 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
     for cfg in active[(1, TEMPERATURES[-1])]:
         run_config(models, cfg, prompts_for(cfg, 1, 0)[:1], 1, TEMPERATURES[-1], 4, seed=0)
     for key in ("a", "c"):
-        run_config(models, CONFIG_BY_KEY[key], prompt_ids["general"][:8], 8, 0.0, 2, seed=0)
+        if key in plan.keys:
+            run_config(models, CONFIG_BY_KEY[key], prompt_ids["general"][:8], 8, 0.0, 2, seed=0)
 
     results: dict[tuple[int, float, str], list[Measurement]] = {}
     for run in range(plan.runs):
@@ -435,7 +574,7 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
             row["prompts"] = f"{plan.batch1_prompts}/run" if batch == 1 else f"{batch}"
             row["prompts"] += f" {cfg.prompt_set}"
             if ms is None:
-                if cfg.batch1_only:
+                if cfg.batch1_only and cfg.key in plan.keys:
                     row["na"] = "n/a (HF supports batch 1 only)"
                     rows.append(row)
                 continue
@@ -450,6 +589,25 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
                 accepted = sum(m.accepted for m in ms)
                 row["acceptance_rate"] = accepted / drafted
                 row["mean_accepted_length"] = 1 + accepted / sum(m.draft_rounds for m in ms)
+                pos_drafted = [sum(v) for v in zip(*(m.position_drafted for m in ms), strict=True)]
+                pos_accepted = [sum(v) for v in zip(*(m.position_accepted for m in ms), strict=True)]
+                row["position_acceptance"] = [
+                    a / d if d else None for a, d in zip(pos_accepted, pos_drafted, strict=True)
+                ]
+                row["position_drafted"] = pos_drafted
+            same_k = {"g4": "d4"}.get(cfg.key)  # the draft model at the same fixed k, for (g)/(d)
+            if same_k and same_k in keys:
+                bm = results[(batch, temperature, same_k)]
+                row["vs_same_k_draft"] = statistics.median(
+                    m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bm, strict=True)
+                )
+            if cfg.drafter in ("draft", "eagle"):
+                cost = costs[batch]
+                row["draft_cost"] = cost["c"] if cfg.drafter == "draft" else cost.get("c_eagle")
+                fixed = not cfg.adaptive and "mean_accepted_length" in row and cfg.k in cost["verify_cost"]
+                if fixed and row["draft_cost"] is not None:
+                    a = per_token_alpha(row["mean_accepted_length"] - 1, cfg.k)
+                    row["predicted_v"] = predicted_speedup(a, cfg.k, row["draft_cost"], cost["verify_cost"][cfg.k])
             row["rss_delta_mib"] = statistics.median(m.rss_delta for m in ms) / MiB
             if cfg.drafter == "draft" and not cfg.adaptive:
                 cost = costs[batch]
@@ -471,7 +629,7 @@ def output_checks(results, models: Models, plan: Plan) -> list[str]:
     the engine at k = 0 equals transformers (same weights, fp32; batched kernels may break near-ties)."""
     lines = []
     for batch in BATCH_SIZES:
-        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("da", "c")]
+        pairs = [("c", "a"), ("cq", "aq"), ("d2", "c"), ("d4", "c"), ("da", "c"), ("g4", "c"), ("ga", "c")]
         pairs += [("e", "cq"), ("e8", "cq"), ("ea", "cq"), ("b", "a")]
         for x, y in pairs:
             mx, my = results.get((batch, 0.0, x)), results.get((batch, 0.0, y))
@@ -530,13 +688,14 @@ def render(summary: dict, meta: dict) -> str:
         f"OMP_WAIT_POLICY={m['omp_wait_policy']}, malloc: {m['malloc']}, torch {m['torch']}, "
         f"transformers {m['transformers']}, Python {m['python']}; "
         f"load average at start / end: {meta['load_start']} / {meta['load_end']} (the machine is shared)",
-        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
+        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU); EAGLE head: {meta['eagle']}",
         f"- Work per configuration and run: {meta['max_tokens']} new tokens per sequence (forced: EOS ignored), "
         f"batch 1: {meta['batch1_prompts']} prompt(s) per run one after another (different ones each run, "
         f"the same for every row of a run), batch 8: the 8 prompts of the set together; "
         f"{meta['runs']} run(s), median reported; engine `max_model_len` {MAX_MODEL_LEN}, block size 16",
         f"- Process peak RSS (getrusage ru_maxrss) at the end: {meta['max_rss_mib']:.0f} MiB; "
-        f"RSS with all four models loaded, before the first configuration: {meta['rss_loaded_mib']:.0f} MiB",
+        f"RSS with the models loaded, before the first configuration: {meta['rss_loaded_mib']:.0f} MiB"
+        + (f"; rows run: {', '.join(meta['keys'])} (`--only`)" if meta.get("only") else ""),
         "",
         "| row | batch | T | prompts | tokens/s | × (a) | × (c) | acceptance | mean acc. len | peak RSS Δ MiB |",
         "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
@@ -576,6 +735,7 @@ def render(summary: dict, meta: dict) -> str:
             f"| {r['prediction_rel_diff']:+.0%} | {r['predicted_with_verify_cost']:.2f} "
             f"| {r['prediction_rel_diff_v']:+.0%} |"
         )
+    out += render_drafting(summary)
     out += ["", "### Targets", "", "| target | batch | T | measured | result |", "| --- | ---: | ---: | ---: | --- |"]
     by = {(r["batch"], r["temperature"], r["key"]): r for r in rows}
     for b in BATCH_SIZES:
@@ -610,6 +770,45 @@ def render(summary: dict, meta: dict) -> str:
     return "\n".join(out)
 
 
+def render_drafting(summary: dict) -> list[str]:
+    """Every drafting row (EAGLE head, draft model, n-gram): cost and acceptance per draft position."""
+    rows = [r for r in summary["rows"] if "position_acceptance" in r]
+    if not rows:
+        return []
+    out = ["", "### Draft cost and acceptance per draft position (EAGLE head beside the draft model)", ""]
+    for b, c in summary["costs"].items():
+        if "c_eagle" in c:
+            out.append(
+                f"- batch {b}: one EAGLE head draft position (1-layer head forward + logits over its vocabulary "
+                f"subset) {c['eagle_step_s'] * 1e3:.2f} ms, target step {c['target_step_s'] * 1e3:.1f} ms: "
+                f"**c_eagle = {c['c_eagle']:.3f}** (draft model: c = {c['c']:.3f})"
+            )
+    out += [
+        "",
+        "| row | batch | T | tokens/s | × (c) | × (d) k=4 | mean acc. len | acceptance per draft position 1, 2, ... "
+        "| draft cost / target step | predicted × (c): .../(kc+v_k) |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for r in rows:
+        positions = " / ".join(_fmt(a, ".2f") for a in r["position_acceptance"])
+        out.append(
+            f"| {r['label']} | {r['batch']} | {r['temperature']:g} | {r['tokens_per_s']:.1f} "
+            f"| {_fmt(r.get('vs_c'), '.2f')} | {_fmt(r.get('vs_same_k_draft'), '.2f')} "
+            f"| {_fmt(r.get('mean_accepted_length'), '.2f')} | {positions} | {_fmt(r.get('draft_cost'), '.3f')} "
+            f"| {_fmt(r.get('predicted_v'), '.2f')} |"
+        )
+    out += [
+        "",
+        "Acceptance at position i is (draft rounds that accepted draft i) / (draft rounds that drafted i), from "
+        "each step's `RequestOutput.num_drafted` / `num_accepted` (accepted drafts are a prefix of the drafted "
+        "ones), over all runs; with adaptive k later positions are drafted in fewer rounds. The draft cost is "
+        "c (draft model) or c_eagle (head) at that batch, measured above; the EAGLE head's rounds also include "
+        "one catch-up forward over the newly committed tokens, which c_eagle leaves out. × (d) k=4 is (g) "
+        "against the draft model at the same fixed k in the same run.",
+    ]
+    return out
+
+
 HOW_TO_READ = """\
 tokens/s is generated tokens (all sequences) divided by the wall time of generation alone (model loading and
 engine construction excluded; batch 1 runs its prompts one after another). Every row of a run works on the
@@ -626,10 +825,12 @@ malloc_trim), with all models already loaded: for the engine it includes buildin
 paged KV cache (target and, for the draft model, draft cache) and activations; for transformers it is
 its dynamic KV cache and activations. The default draft was distilled on CPU and agrees with the target
 only ~10-30 % of the time (shared/models/README.md), so the draft-model rows show a low-acceptance case, not
-what a good draft gives. The (d) and (e) rows fix k (`EngineConfig(adaptive_k=False)`) so that the formula
-applies; (d') and (e') are the engine's default, which picks k per sequence (0 when it predicts no gain) from the
-sequence's acceptance, the measured draft cost and the measured cost of scoring extra tokens. The prediction
-uses the paper's per-token acceptance a (each draft position accepted independently with probability a),
+what a good draft gives. The (g) rows draft with the EAGLE head (one decoder layer fed the target's
+hidden states, shared/model/eagle.py), in the engine's process as the draft model is. The (d), (e) and (g)
+rows fix k (`EngineConfig(adaptive_k=False)`) so that the formula applies; (d'), (e') and (g') are the
+engine's default, which picks k per sequence (0 when it predicts no gain) from the sequence's acceptance,
+the measured draft cost and the measured cost of scoring extra tokens. The prediction uses
+the paper's per-token acceptance a (each draft position accepted independently with probability a),
 estimated from the measured accepted drafts per round: a (1 - a^k) / (1 - a) = accepted / rounds, so that
 the formula's numerator is the measured tokens per round; accepted / drafted (the acceptance column) is
 smaller, because it counts positions after a rejection that were never tested. c is the draft/target forward
@@ -676,8 +877,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
     parser.add_argument("--target", default=None, help="target model (default: shared.settings)")
     parser.add_argument("--draft", default=None, help="draft model (default: shared.settings)")
+    parser.add_argument(
+        "--eagle-head",
+        default=None,
+        help="EAGLE head folder (default: $SPECDEC_EAGLE_HEAD or models/smollm2-135m-eagle); rows (g) are "
+        "left out when it does not exist",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated rows to run, e.g. c,d4,g4 (rows: {','.join(CONFIG_BY_KEY)}); the engine baseline "
+        "(c or cq) of every selected row is added",
+    )
     args = parser.parse_args(argv)
 
+    eagle_dir = args.eagle_head or default_eagle_head()
+    has_eagle = Path(eagle_dir, "config.json").is_file()
+    keys, notes = select_configs(args.only, args.hf_quoting, has_eagle, eagle_dir)
+    if not has_eagle:
+        print(
+            f"EAGLE rows (g4, ga) left out: no head at {eagle_dir} (config.json missing). Train one with "
+            "`make train-draft`, or point --eagle-head / SPECDEC_EAGLE_HEAD at a head folder.",
+            file=sys.stderr,
+        )
+    for note in notes:
+        print(f"--only: {note}", file=sys.stderr)
     plan = Plan(
         runs=args.runs or (1 if args.quick else 2),
         max_tokens=args.max_tokens or (32 if args.quick else 128),
@@ -685,7 +909,10 @@ def main(argv: list[str] | None = None) -> int:
         cost_reps=5 if args.quick else 8,
         hf_quoting=args.hf_quoting,
         threads=args.threads,
+        keys=keys,
     )
+    use_eagle = any(CONFIG_BY_KEY[k].drafter == "eagle" for k in keys)
+    use_hf = any(CONFIG_BY_KEY[k].kind != "engine" for k in keys)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as the services do; for the whole process, transformers rows included
     torch.set_num_threads(plan.threads)
@@ -694,8 +921,8 @@ def main(argv: list[str] | None = None) -> int:
     load_start = _load_average()
     target_name = args.target or default_target_model()
     draft_name = args.draft or default_draft_model()
-    log(f"loading target {target_name} and draft {draft_name}")
-    models = load_models(target_name, draft_name)
+    log(f"loading target {target_name} and draft {draft_name}" + (f", EAGLE head {eagle_dir}" if use_eagle else ""))
+    models = load_models(target_name, draft_name, hf=use_hf, eagle_dir=eagle_dir if use_eagle else None)
     from specdec_bench.memory import current_rss, trim_heap
 
     trim_heap()
@@ -715,6 +942,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": _load_average(),
         "target": target_name,
         "draft": draft_name,
+        "eagle": f"`{eagle_dir}`"
+        if use_eagle
+        else f"none (no head at `{eagle_dir}`: rows (g) left out)"
+        if not has_eagle
+        else "not selected",
+        "only": args.only,
         "max_rss_mib": max_rss() / MiB,
         "rss_loaded_mib": rss_loaded / MiB,
         **asdict(plan),

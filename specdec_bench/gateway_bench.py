@@ -1,16 +1,23 @@
 """Gateway benchmark: the engine benchmark's workloads through the whole gRPC stack, side by side with the
 in-process engine.
 
-    python -m specdec_bench.gateway_bench [--quick] [--runs N] [--max-tokens N] [--out docs/BENCHMARKS.md]
+    python -m specdec_bench.gateway_bench [--quick] [--runs N] [--max-tokens N] [--only t,g4] [--out docs/BENCHMARKS.md]
 
 Starts real service processes on loopback (as tests/e2e does) and sends the engine benchmark's chat prompts
 (specdec_bench.prompts, chat template applied by engine_bench.chat_ids) through the gateway with grpc.aio,
-greedy, EOS ignored so every request generates exactly --max-tokens tokens:
+greedy (and T = 0.8, seeded per prompt, for the rows marked so), EOS ignored so every request generates
+exactly --max-tokens tokens:
 
-    target only       verifier without --proposer (k = 0) + gateway                    general prompts
+    target only       verifier without --proposer (k = 0) + gateway                    general prompts, T 0, 0.8
     draft model, k=4  proposer (draft model) + verifier (--num-speculative-tokens 4 --no-adaptive-k) + gateway
+                                                                                       general prompts, T 0, 0.8
+    EAGLE head, k=4   proposer (--kind eagle: the head, the target's embedding and LM head) + verifier (k = 4
+                      fixed, sends the target's hidden states) + gateway               general prompts, T 0, 0.8
     n-gram, k=4       proposer (--kind ngram) + verifier (k = 4 fixed) + gateway        quoting prompts
     target only [q]   the target-only stack on the quoting prompts (the n-gram row's baseline)
+
+The EAGLE rows are left out, with a message, when the head's folder (--eagle-head) does not exist; --only
+runs a subset of the rows (the target-only baseline of each is added).
 
 each at 1 client (the batch-1 prompts one after another) and 8 concurrent clients (8 prompts at once).
 Per configuration: tokens/s (all tokens / wall time), time to first token, inter-token latency p50/p99
@@ -69,14 +76,21 @@ class GwConfig:
     key: str
     label: str
     prompt_set: str  # "general" or "quoting"
-    stack: str  # "target", "draft" or "ngram"
+    stack: str  # "target", "draft", "eagle" or "ngram"
+    temperature: float = 0.0
+    baseline: str = "t"  # the target-only row of the same prompts and temperature
 
 
+SAMPLED_T = 0.8
 CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("t", "target only (k=0)", "general", "target"),
     GwConfig("d4", "draft model, k=4", "general", "draft"),
-    GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target"),
-    GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram"),
+    GwConfig("g4", "EAGLE head, k=4", "general", "eagle"),
+    GwConfig("ts", f"target only (k=0), T={SAMPLED_T:g}", "general", "target", SAMPLED_T, "ts"),
+    GwConfig("d4s", f"draft model, k=4, T={SAMPLED_T:g}", "general", "draft", SAMPLED_T, "ts"),
+    GwConfig("g4s", f"EAGLE head, k=4, T={SAMPLED_T:g}", "general", "eagle", SAMPLED_T, "ts"),
+    GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target", baseline="tq"),
+    GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram", baseline="tq"),
 )
 CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
 INPROC_LABEL = "in-process engine, draft model, k=4"
@@ -179,10 +193,42 @@ class Stack:
             return verifier_pb2_grpc.VerifierStub(ch).GetStats(verifier_pb2.VerifierGetStatsRequest(), timeout=30)
 
 
-def build_stacks(log_dir: Path, target: str, draft: str) -> dict[str, Stack]:
-    """Three stacks: target only, draft model (k = 4 fixed), n-gram (k = 4 fixed)."""
+def select_configs(only: str, eagle: bool, eagle_dir: str = "") -> tuple[tuple[str, ...], list[str]]:
+    """The keys to run and notes. `only`: comma-separated keys ('' for all); each row's target-only baseline
+    is added. Without an EAGLE head its rows are left out (an error when asked for by name)."""
+    notes = []
+    if only:
+        wanted = [k.strip() for k in only.split(",") if k.strip()]
+        unknown = [k for k in wanted if k not in CONFIG_BY_KEY]
+        if unknown:
+            raise SystemExit(f"--only: unknown row(s) {unknown}; rows are {', '.join(CONFIG_BY_KEY)}")
+        picked = set(wanted)
+        for key in wanted:
+            base = CONFIG_BY_KEY[key].baseline
+            if base not in picked:
+                picked.add(base)
+                notes.append(f"added {base} (the baseline of {key})")
+        if not eagle and any(CONFIG_BY_KEY[k].stack == "eagle" for k in picked):
+            raise SystemExit(
+                f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
+                "set --eagle-head or SPECDEC_EAGLE_HEAD"
+            )
+    else:
+        picked = {c.key for c in CONFIGS if eagle or c.stack != "eagle"}
+    return tuple(c.key for c in CONFIGS if c.key in picked), notes
+
+
+STACK_KINDS = {"target": None, "draft": "draft-model", "eagle": "eagle", "ngram": "ngram"}
+
+
+def build_stacks(
+    log_dir: Path, target: str, draft: str, eagle_head: str | None = None, names: Sequence[str] = ()
+) -> dict[str, Stack]:
+    """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
+    EAGLE head, n-gram; every proposer stack with k = 4 fixed."""
     stacks = {}
-    for name, kind in (("target", None), ("draft", "draft-model"), ("ngram", "ngram")):
+    names = names or [n for n in STACK_KINDS if n != "eagle" or eagle_head]
+    for name, kind in ((n, STACK_KINDS[n]) for n in names):
         stack = Stack(name)
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
@@ -192,6 +238,9 @@ def build_stacks(log_dir: Path, target: str, draft: str) -> dict[str, Stack]:
             proposer += ["--max-model-len", str(MAX_MODEL_LEN)]
             if kind == "draft-model":
                 proposer += ["--model", draft]
+            if kind == "eagle":
+                assert eagle_head is not None
+                proposer += ["--model", eagle_head, "--target-model", target]
             cmd = _command("specdec-proposer", "proposer_service.server") + proposer
             stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}", "--num-speculative-tokens", str(K)]
@@ -260,6 +309,7 @@ class Measurement:
         drafted = sum(t.drafted for t in self.traces)
         accepted = sum(t.accepted for t in self.traces)
         steps = sum(t.steps for t in self.traces)
+        decode_steps = sum(max(t.steps - 1, 0) for t in self.traces)  # all but the prefill step
         return {
             "tokens": self.tokens,
             "wall_s": self.wall_s,
@@ -271,11 +321,16 @@ class Measurement:
             "drafted": drafted,
             "accepted": accepted,
             "tokens_per_step": self.tokens / steps if steps else None,
+            # with k fixed every decode step is a draft round: 1 + accepted / rounds
+            "mean_accepted_length": 1 + accepted / decode_steps if drafted and decode_steps else None,
         }
 
 
-async def run_gateway(address: str, prompts: Sequence[list[int]], clients: int, max_tokens: int) -> Measurement:
-    """`clients` concurrent clients work through the prompts (each client one request at a time)."""
+async def run_gateway(
+    address: str, prompts: Sequence[list[int]], clients: int, max_tokens: int, temperature: float = 0.0
+) -> Measurement:
+    """`clients` concurrent clients work through the prompts (each client one request at a time). At T > 0
+    each request is seeded by its prompt's index, the same in every configuration."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -289,8 +344,10 @@ async def run_gateway(address: str, prompts: Sequence[list[int]], clients: int, 
             while not queue.empty():
                 prompt = queue.get_nowait()
                 request = gateway_pb2.GenerateRequest(
-                    prompt_token_ids=prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True
+                    prompt_token_ids=prompt, max_tokens=max_tokens, temperature=temperature, ignore_eos=True
                 )
+                if temperature > 0:
+                    request.seed = 1000 + order[id(prompt)]
                 trace = Trace(time.perf_counter())
                 async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S):
                     now = time.perf_counter()
@@ -399,6 +456,7 @@ class Plan:
     runs: int
     max_tokens: int
     batch1_prompts: int
+    keys: tuple[str, ...] = tuple(CONFIG_BY_KEY)  # the selected rows (select_configs)
 
 
 class Progress:
@@ -409,30 +467,39 @@ class Progress:
         print(f"[{time.perf_counter() - self.start:7.1f}s] {message}", flush=True)
 
 
-def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict, plan: Plan, log: Callable) -> dict:
+def run_benchmark(
+    stacks: dict[str, Stack], inproc: InProcess | None, prompt_ids: dict, plan: Plan, log: Callable
+) -> dict:
+    """`inproc` (the split-overhead comparison at 1 client) is None when the draft-model row is not selected."""
+    configs = [CONFIG_BY_KEY[k] for k in plan.keys]
+
     def prompts_for(prompt_set: str, clients: int) -> list[list[int]]:
         ids = prompt_ids[prompt_set]
         return ids[: plan.batch1_prompts] if clients == 1 else ids[:clients]
 
     def gw(cfg: GwConfig, clients: int, max_tokens: int) -> Measurement:
         address = stacks[cfg.stack].gateway.address
-        return asyncio.run(run_gateway(address, prompts_for(cfg.prompt_set, clients), clients, max_tokens))
+        prompts = prompts_for(cfg.prompt_set, clients)
+        return asyncio.run(run_gateway(address, prompts, clients, max_tokens, cfg.temperature))
 
     def gw_prompts(address: str, prompts: list[list[int]], max_tokens: int) -> Measurement:
         return asyncio.run(run_gateway(address, prompts, 1, max_tokens))
 
     log("warm-up (8 tokens per configuration)")
-    for cfg in CONFIGS:
+    for cfg in configs:
         gw(cfg, 1, 8)
-    inproc.run(prompts_for("general", 1)[:1], 8)
-    asyncio.run(run_verifier(stacks["draft"].verifier.address, prompts_for("general", 1)[:1], 8))
+    if inproc is not None:
+        inproc.run(prompts_for("general", 1)[:1], 8)
+        asyncio.run(run_verifier(stacks["draft"].verifier.address, prompts_for("general", 1)[:1], 8))
 
-    direct = stacks["draft"].verifier.address
-    trio_runners: dict[str, Callable[[list[list[int]]], Measurement]] = {
-        "inproc": lambda ps: inproc.run(ps, plan.max_tokens),
-        "direct": lambda ps: asyncio.run(run_verifier(direct, ps, plan.max_tokens)),
-        "d4": lambda ps: gw_prompts(stacks["draft"].gateway.address, ps, plan.max_tokens),
-    }
+    trio_runners: dict[str, Callable[[list[list[int]]], Measurement]] = {}
+    if inproc is not None:
+        direct = stacks["draft"].verifier.address
+        trio_runners = {
+            "inproc": lambda ps: inproc.run(ps, plan.max_tokens),
+            "direct": lambda ps: asyncio.run(run_verifier(direct, ps, plan.max_tokens)),
+            "d4": lambda ps: gw_prompts(stacks["draft"].gateway.address, ps, plan.max_tokens),
+        }
 
     def trio(run: int) -> dict[str, Measurement]:
         """The split-overhead comparison at 1 client: in-process engine, client on the verifier, client on the
@@ -463,10 +530,10 @@ def run_benchmark(stacks: dict[str, Stack], inproc: InProcess, prompt_ids: dict,
         for clients in CLIENTS:
             jobs: list[tuple[str, Callable[[], Any]]] = [
                 (cfg.key, functools.partial(gw, cfg, clients, plan.max_tokens))
-                for cfg in CONFIGS
-                if not (clients == 1 and cfg.key == "d4")  # at 1 client d4 runs inside the trio
+                for cfg in configs
+                if not (clients == 1 and cfg.key == "d4" and trio_runners)  # at 1 client d4 runs inside the trio
             ]
-            if clients == 1:
+            if clients == 1 and trio_runners:
                 jobs.append(("trio", functools.partial(trio, run)))
             shift = run % len(jobs)
             for key, job in jobs[shift:] + jobs[:shift]:  # rotate the order from run to run
@@ -493,13 +560,18 @@ def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> 
         sums = [m.summary() for m in ms]
         row = {"key": key, "label": label_of(key), "clients": clients, "runs": len(ms)}
         row["prompt_set"] = CONFIG_BY_KEY[key].prompt_set if key in CONFIG_BY_KEY else "general"
-        for name in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms", "tokens_per_step"):
+        row["temperature"] = CONFIG_BY_KEY[key].temperature if key in CONFIG_BY_KEY else 0.0
+        names = ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms", "itl_p99_ms", "tpot_ms", "tokens_per_step")
+        for name in names:
             row[name] = _median([s[name] for s in sums])
         drafted = sum(s["drafted"] for s in sums)
         row["acceptance"] = sum(s["accepted"] for s in sums) / drafted if drafted else None
+        decode_steps = sum(max(t.steps - 1, 0) for m in ms for t in m.traces)
+        accepted = sum(s["accepted"] for s in sums)
+        row["mean_accepted_length"] = 1 + accepted / decode_steps if drafted and decode_steps else None
         row["tokens_per_s_runs"] = [s["tokens_per_s"] for s in sums]
-        base = "tq" if row["prompt_set"] == "quoting" else "t"
-        if key in CONFIG_BY_KEY and key not in ("t", "tq") and (base, clients) in results:
+        base = CONFIG_BY_KEY[key].baseline if key in CONFIG_BY_KEY else "t"
+        if key in CONFIG_BY_KEY and key != base and (base, clients) in results:
             bs = results[(base, clients)]
             row["vs_target"] = statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bs, strict=True))
         rows.append(row)
@@ -546,6 +618,8 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
         (("n4", 1), ("tq", 1)),
         (("d4", 8), ("t", 8)),
         (("n4", 8), ("tq", 8)),
+        (("g4", 1), ("t", 1)),
+        (("g4", 8), ("t", 8)),
         (("t", 8), ("t", 1)),
     ]
     for x, y in pairs:
@@ -578,24 +652,26 @@ def render(summary: dict, meta: dict) -> str:
         f"- Machine: {m['cpu']}, {m['cores']} cores available, torch {m['torch']}, Python {m['python']}; every "
         f"process on the same cores; load average at start / end: {meta['load_start']} / {meta['load_end']} "
         "(the machine is shared with other jobs)",
-        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU)",
+        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU); EAGLE head: {meta['eagle']}",
         "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
         f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
-        f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens)",
-        f"- Work: greedy, {meta['max_tokens']} new tokens per request (EOS ignored); 1 client: "
-        f"{meta['batch1_prompts']} prompt(s) one after another; 8 clients: 8 prompts at once; "
-        f"{meta['runs']} run(s), median reported; prompts: the engine benchmark's (`specdec_bench.prompts`)",
+        f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens); the EAGLE proposer is "
+        "`--kind eagle --model HEAD --target-model TARGET`",
+        f"- Work: greedy (T = {SAMPLED_T:g} where the row says so, seeded per prompt), {meta['max_tokens']} new "
+        f"tokens per request (EOS ignored); 1 client: {meta['batch1_prompts']} prompt(s) one after another; "
+        f"8 clients: 8 prompts at once; {meta['runs']} run(s), median reported; prompts: the engine benchmark's "
+        "(`specdec_bench.prompts`)" + (f"; rows run: {', '.join(meta['keys'])} (`--only`)" if meta.get("only") else ""),
         "",
-        "| configuration | clients | prompts | tokens/s | × target only | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
-        "| TPOT ms | acceptance | tokens/step |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| configuration | clients | T | prompts | tokens/s | × target only | TTFT p50 ms | ITL p50 ms | ITL p99 ms "
+        "| TPOT ms | acceptance | mean acc. len | tokens/step |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary["rows"]:
         out.append(
-            f"| {r['label']} | {r['clients']} | {r['prompt_set']} | {r['tokens_per_s']:.1f} "
+            f"| {r['label']} | {r['clients']} | {r['temperature']:g} | {r['prompt_set']} | {r['tokens_per_s']:.1f} "
             f"| {_fmt(r.get('vs_target'), '.2f')} | {_fmt(r['ttft_p50_ms'], '.0f')} | {_fmt(r['itl_p50_ms'], '.0f')} "
             f"| {_fmt(r['itl_p99_ms'], '.0f')} | {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['acceptance'], '.3f')} "
-            f"| {_fmt(r['tokens_per_step'], '.2f')} |"
+            f"| {_fmt(r.get('mean_accepted_length'), '.2f')} | {_fmt(r['tokens_per_step'], '.2f')} |"
         )
     o = summary["overhead"]
     if o is not None:
@@ -654,19 +730,23 @@ def render(summary: dict, meta: dict) -> str:
 
 HOW_TO_READ = """\
 tokens/s is all generated tokens divided by the wall time from the first request sent to the last token
-received (1 client: its prompts one after another; 8 clients: 8 requests at once, batched by the verifier).
-TTFT is from sending the request to the first message with tokens (prefill, plus queueing behind other
-clients); ITL is the gap between consecutive streamed messages that carry tokens, so with speculative
-decoding one gap may deliver several tokens (tokens/step says how many on average); TPOT is a request's
-time after its first message divided by the tokens after the first, averaged over requests: the per-token
-latency a user sees. × target only is the ratio to the target-only stack on the same prompts within the
-same run (median over runs). The in-process row runs the same engine code and EngineConfig in this
-process with the draft model in-process too: the overhead table is the cost of the split into processes
-(two gRPC hops per step: verifier <-> proposer propose round trip, verifier -> gateway stream, plus the
-gateway's detokenization), measured side by side. All processes share the same 2 cores, so the verifier,
-proposer and gateway also compete with each other and with the client; absolute numbers move with the load
-of the shared machine, the within-run ratios are the numbers to trust. The default draft was distilled on
-CPU and agrees with the target only ~10-30 % of the time, so the draft-model rows show a low-acceptance case."""
+received (1 client: its prompts one after another; 8 clients: 8 requests at once, batched by the
+verifier). TTFT is from sending the request to the first message with tokens (prefill, plus queueing
+behind other clients); ITL is the gap between consecutive streamed messages that carry tokens, so with
+speculative decoding one gap may deliver several tokens (tokens/step, prefill step included, says how many
+on average; mean acc. len is 1 + accepted drafts / decode steps, which with k fixed is tokens per draft
+round); TPOT is a request's time after its first message divided by the tokens after the first, averaged
+over requests: the per-token latency a user sees. × target only is the ratio to the target-only stack on
+the same prompts at the same temperature within the same run (median over runs). The in-process row runs
+the same engine code and EngineConfig in this process with the draft model in-process too: the overhead
+table is the cost of the split into processes (two gRPC hops per step: verifier <-> proposer propose round
+trip, verifier -> gateway stream, plus the gateway's detokenization), measured side by side. All processes
+share the same 2 cores, so the verifier, proposer and gateway also compete with each other and with the
+client; absolute numbers move with the load of the shared machine, the within-run ratios are the numbers
+to trust. The default draft was distilled on CPU and agrees with the target only ~10-30 % of the time, so
+the draft-model rows show a low-acceptance case. The EAGLE rows run the head in its own proposer process,
+which receives the target's hidden states (fp16) with every draft request; greedy, they must emit the
+target-only tokens like every other row."""
 
 
 def write_report(path: Path, section: str, start: str = MARK_START, end: str = MARK_END) -> None:
@@ -691,12 +771,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
     parser.add_argument("--logs", default="", help="folder for the service logs (default: a temporary one)")
+    parser.add_argument(
+        "--eagle-head",
+        default=None,
+        help="EAGLE head folder (default: $SPECDEC_EAGLE_HEAD or models/smollm2-135m-eagle); the EAGLE rows are "
+        "left out when it does not exist",
+    )
+    parser.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated rows to run, e.g. t,d4,g4 (rows: {','.join(CONFIG_BY_KEY)}); the target-only "
+        "baseline of every selected row is added; the split-overhead comparison runs with d4",
+    )
     args = parser.parse_args(argv)
+    from shared.settings import default_eagle_head
+
+    eagle_dir = str(Path(args.eagle_head or default_eagle_head()).resolve())  # the services run in the repo root
+    has_eagle = Path(eagle_dir, "config.json").is_file()
+    keys, notes = select_configs(args.only, has_eagle, eagle_dir)
+    if not has_eagle:
+        print(
+            f"EAGLE rows (g4, g4s) left out: no head at {eagle_dir} (config.json missing). Train one with "
+            "`make train-draft`, or point --eagle-head / SPECDEC_EAGLE_HEAD at a head folder.",
+            file=sys.stderr,
+        )
+    for note in notes:
+        print(f"--only: {note}", file=sys.stderr)
     plan = Plan(
         runs=args.runs or (1 if args.quick else 3),
         max_tokens=args.max_tokens or (16 if args.quick else 64),
         batch1_prompts=args.batch1_prompts or (1 if args.quick else 2),
+        keys=keys,
     )
+    stack_names = [n for n in STACK_KINDS if any(CONFIG_BY_KEY[k].stack == n for k in keys)]
+    use_eagle = "eagle" in stack_names
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as in the services it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -708,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     target_name, draft_name = default_target_model(), default_draft_model()
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stacks = build_stacks(log_dir, target_name, draft_name)
+    stacks = build_stacks(log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names)
     log(f"starting {sum(len(s.procs) for s in stacks.values())} service processes; logs in {log_dir}")
     procs = [p for s in stacks.values() for p in s.procs]
     failed = False
@@ -722,8 +830,10 @@ def main(argv: list[str] | None = None) -> int:
             "general": [chat_ids(tok, p) for p in GENERAL_PROMPTS],
             "quoting": [chat_ids(tok, p) for p in QUOTING_PROMPTS],
         }
-        log("loading the in-process engine (target + draft) while the services start")
-        inproc = InProcess(target_name, draft_name)
+        inproc = None
+        if "d4" in keys:
+            log("loading the in-process engine (target + draft) while the services start")
+            inproc = InProcess(target_name, draft_name)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         for s in stacks.values():
             s.wait_ready(deadline)
@@ -755,6 +865,12 @@ def main(argv: list[str] | None = None) -> int:
         "load_end": _load_average(),
         "target": target_name,
         "draft": draft_name,
+        "eagle": f"`{eagle_dir}`"
+        if use_eagle
+        else f"none (no head at `{eagle_dir}`: EAGLE rows left out)"
+        if not has_eagle
+        else "not selected",
+        "only": args.only,
         **asdict(plan),
     }
     section = render(summary, meta)
