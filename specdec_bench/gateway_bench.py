@@ -82,6 +82,7 @@ class GwConfig:
 
 
 SAMPLED_T = 0.8
+K_ADAPTIVE = 6  # the engine's default policy picks k <= 6 per sequence: one head position costs ~0.07 step
 CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("t", "target only (k=0)", "general", "target"),
     GwConfig("d4", "draft model, k=4", "general", "draft"),
@@ -89,6 +90,10 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("ts", f"target only (k=0), T={SAMPLED_T:g}", "general", "target", SAMPLED_T, "ts"),
     GwConfig("d4s", f"draft model, k=4, T={SAMPLED_T:g}", "general", "draft", SAMPLED_T, "ts"),
     GwConfig("g4s", f"EAGLE head, k=4, T={SAMPLED_T:g}", "general", "eagle", SAMPLED_T, "ts"),
+    GwConfig("ga", f"EAGLE head, adaptive k<={K_ADAPTIVE} (default)", "general", "eagle-adaptive"),
+    GwConfig(
+        "gas", f"EAGLE head, adaptive k<={K_ADAPTIVE}, T={SAMPLED_T:g}", "general", "eagle-adaptive", SAMPLED_T, "ts"
+    ),
     GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target", baseline="tq"),
     GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram", baseline="tq"),
 )
@@ -208,17 +213,23 @@ def select_configs(only: str, eagle: bool, eagle_dir: str = "") -> tuple[tuple[s
             if base not in picked:
                 picked.add(base)
                 notes.append(f"added {base} (the baseline of {key})")
-        if not eagle and any(CONFIG_BY_KEY[k].stack == "eagle" for k in picked):
+        if not eagle and any(CONFIG_BY_KEY[k].stack.startswith("eagle") for k in picked):
             raise SystemExit(
                 f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
                 "set --eagle-head or SPECDEC_EAGLE_HEAD"
             )
     else:
-        picked = {c.key for c in CONFIGS if eagle or c.stack != "eagle"}
+        picked = {c.key for c in CONFIGS if eagle or not c.stack.startswith("eagle")}
     return tuple(c.key for c in CONFIGS if c.key in picked), notes
 
 
-STACK_KINDS = {"target": None, "draft": "draft-model", "eagle": "eagle", "ngram": "ngram"}
+STACK_KINDS = {
+    "target": None,
+    "draft": "draft-model",
+    "eagle": "eagle",
+    "eagle-adaptive": "eagle",
+    "ngram": "ngram",
+}
 
 
 def build_stacks(
@@ -227,7 +238,7 @@ def build_stacks(
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
     EAGLE head, n-gram; every proposer stack with k = 4 fixed."""
     stacks = {}
-    names = names or [n for n in STACK_KINDS if n != "eagle" or eagle_head]
+    names = names or [n for n in STACK_KINDS if STACK_KINDS[n] != "eagle" or eagle_head]
     for name, kind in ((n, STACK_KINDS[n]) for n in names):
         stack = Stack(name)
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
@@ -243,8 +254,11 @@ def build_stacks(
                 proposer += ["--model", eagle_head, "--target-model", target]
             cmd = _command("specdec-proposer", "proposer_service.server") + proposer
             stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
-            verifier += ["--proposer", f"{HOST}:{ports['proposer']}", "--num-speculative-tokens", str(K)]
-            verifier += ["--no-adaptive-k"]
+            verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
+            if name.endswith("-adaptive"):
+                verifier += ["--num-speculative-tokens", str(K_ADAPTIVE), "--adaptive-k"]
+            else:
+                verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
         cmd = _command("specdec-verifier", "verifier_service.server") + verifier
         stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log"))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
@@ -620,6 +634,8 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
         (("n4", 8), ("tq", 8)),
         (("g4", 1), ("t", 1)),
         (("g4", 8), ("t", 8)),
+        (("ga", 1), ("t", 1)),
+        (("ga", 8), ("t", 8)),
         (("t", 8), ("t", 1)),
     ]
     for x, y in pairs:
@@ -655,7 +671,8 @@ def render(summary: dict, meta: dict) -> str:
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU); EAGLE head: {meta['eagle']}",
         "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
         f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
-        f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens); the EAGLE proposer is "
+        f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens), except the adaptive rows "
+        f"(`--num-speculative-tokens {K_ADAPTIVE} --adaptive-k`, the engine default policy); the EAGLE proposer is "
         "`--kind eagle --model HEAD --target-model TARGET`",
         f"- Work: greedy (T = {SAMPLED_T:g} where the row says so, seeded per prompt), {meta['max_tokens']} new "
         f"tokens per request (EOS ignored); 1 client: {meta['batch1_prompts']} prompt(s) one after another; "
@@ -804,7 +821,7 @@ def main(argv: list[str] | None = None) -> int:
         keys=keys,
     )
     stack_names = [n for n in STACK_KINDS if any(CONFIG_BY_KEY[k].stack == n for k in keys)]
-    use_eagle = "eagle" in stack_names
+    use_eagle = any(n.startswith("eagle") for n in stack_names)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as in the services it starts
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
