@@ -332,11 +332,17 @@ def test_config_reads_flags_and_env(monkeypatch):
     assert (cfg.kind, cfg.port, cfg.max_k, cfg.model, cfg.tensor_parallel_size) == ("ngram", 1234, 5, "m", 1)
     assert load_config(ProposerConfig, []).port == 7000
     assert load_config(ProposerConfig, ["--tensor-parallel-size", "2"]).tensor_parallel_size == 2
-    for argv in (["--tensor-parallel-size", "0"], ["--kind", "ngram", "--tensor-parallel-size", "2"]):
+    eagle = load_config(ProposerConfig, ["--kind", "eagle", "--model", "head", "--target-model", "t"])
+    assert (eagle.kind, eagle.model, eagle.target_model) == ("eagle", "head", "t")
+    for argv in (
+        ["--tensor-parallel-size", "0"],
+        ["--kind", "ngram", "--tensor-parallel-size", "2"],
+        ["--kind", "eagle", "--tensor-parallel-size", "2"],  # a one-layer head runs at TP 1
+    ):
         with pytest.raises(SystemExit):
             load_config(ProposerConfig, argv)
     with pytest.raises(SystemExit):
-        load_config(ProposerConfig, ["--kind", "eagle"])
+        load_config(ProposerConfig, ["--kind", "medusa"])
 
 
 def test_cli_serves_and_exits_cleanly_on_sigterm():
