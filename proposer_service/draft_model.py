@@ -14,18 +14,15 @@ Draft tokens never enter the cache: only the prefix that equals the committed to
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 
 import torch
 
-from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
+from proposer_service.paged_drafter import PagedDrafter, common_prefix, draft_generator, stack_supports
+from shared.drafting import Draft, DraftRequest
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
-from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
-
-# Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
-DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
+from shared.sampling import logits_to_probs, params_to_tensors
 
 
 @dataclass
@@ -34,21 +31,10 @@ class _SeqState:
     cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache, in order
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(PagedDrafter[_SeqState]):
     def __init__(self, runner: ModelRunner, block_manager: BlockManager, top_n: int = 64) -> None:
+        super().__init__(runner.cache, block_manager, top_n)
         self.runner = runner
-        self.blocks = block_manager
-        self.top_n = top_n  # sampled drafts come from the top_n tokens, and exactly that distribution is sent
-        self.history = SequenceHistory()
-        self.states: dict[str, _SeqState] = {}
-
-    def release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            if seq_id in self.states:
-                self._drop_cache(seq_id)
-            self.history.release(seq_id)
-            self.states.pop(seq_id, None)
-            self.blocks.free(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
@@ -70,13 +56,13 @@ class DraftModelDrafter:
         """Roll the cache back to its longest valid prefix and reserve room for this round."""
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
         if not state.cached and not self.blocks.has_seq(req.seq_id):
             # The last committed token is always fed: its logits give d_1.
             match = self.blocks.match_prefix(tokens[: len(tokens) - 1])
             if match.blocks:
                 state.cached = list(tokens[: self.blocks.allocate_prefix(req.seq_id, match)])
-        valid = min(_common_prefix(state.cached, tokens), len(tokens) - 1)
+        valid = min(common_prefix(state.cached, tokens), len(tokens) - 1)
         del state.cached[valid:]
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(valid, self.blocks.num_tokens(req.seq_id)))
@@ -87,21 +73,12 @@ class DraftModelDrafter:
             return False
         return True
 
-    def _reserve(self, seq_id: str, num_tokens: int, keep: set[str]) -> bool:
-        while not self.blocks.can_reserve(seq_id, num_tokens):
-            victims = [s for s in self.states if s not in keep and self.blocks.has_seq(s)]
-            if not victims:
-                return False
-            self._drop_cache(victims[0])  # oldest first: dicts keep insertion order
-        self.runner.cache.copy_blocks(self.blocks.reserve(seq_id, num_tokens))
-        return True
-
     def _drop_cache(self, seq_id: str) -> None:
         """Free the sequence's draft blocks, leaving those of committed tokens in the prefix cache."""
         state = self.states[seq_id]
         committed = self.history.tokens.get(seq_id, [])
         if self.blocks.has_seq(seq_id):
-            self.blocks.cache_full_blocks(seq_id, committed, _common_prefix(state.cached, committed))
+            self.blocks.cache_full_blocks(seq_id, committed, common_prefix(state.cached, committed))
         self.blocks.free(seq_id)
         state.cached.clear()
 
@@ -128,7 +105,7 @@ class DraftModelDrafter:
                     out_probs[row].append(support)
                 feeds[row] = [token]
         return [
-            Draft(req.seq_id, req.committed_len, ids, _stack(probs) if probs else None)
+            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
 
@@ -145,21 +122,3 @@ class DraftModelDrafter:
             top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), top_ids.cpu()
             choice = torch.multinomial(top_probs, 1, generator=states[row].generator)
             yield int(top_ids[choice]), (top_ids, top_probs)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _stack(supports: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
-    return SparseProbs(torch.stack([ids for ids, _ in supports]), torch.stack([p for _, p in supports]))
-
-
-def _generator(params: SamplingParams) -> torch.Generator:
-    seed = secrets.randbits(63) if params.seed is None else (params.seed + DRAFT_SEED_OFFSET) % (2**63)
-    return torch.Generator().manual_seed(seed)

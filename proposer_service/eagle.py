@@ -12,20 +12,19 @@ The head's prefix cache is keyed on token pairs: the K/V of head position j depe
 
 from __future__ import annotations
 
-import secrets
 from dataclasses import dataclass, field
 
 import torch
 
-from shared.drafting import Draft, DraftRequest, FeatureStore, SequenceHistory, SparseProbs
+from proposer_service.paged_drafter import PagedDrafter, draft_generator, stack_supports
+from shared.drafting import Draft, DraftRequest, FeatureStore
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, build_metadata
 from shared.model.eagle import EagleHead
-from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from shared.sampling import logits_to_probs, params_to_tensors
 
 MAX_SEQUENTIAL_FILL = 16  # gap positions filled one by one from the head's own guesses; earlier ones in bulk
-DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15  # the drafter's stream differs from the verifier's (same request seed)
 
 
 @dataclass
@@ -37,27 +36,15 @@ class _SeqState:
     last_hidden: torch.Tensor | None = None  # head output at num_done - 1: its guess of feature num_done
 
 
-class EagleDrafter:
+class EagleDrafter(PagedDrafter[_SeqState]):
     needs_target_features = True
 
     def __init__(self, head: EagleHead, cache: KVCache, block_manager: BlockManager, top_n: int = 64) -> None:
+        super().__init__(cache, block_manager, top_n)
         self.head = head
-        self.cache = cache
-        self.blocks = block_manager
-        self.top_n = top_n  # sampled drafts come from the head's top_n tokens, and exactly that is sent
         self.vocab_size = head.arch.vocab_size
-        self.history = SequenceHistory()
-        self.states: dict[str, _SeqState] = {}
 
     # ---- Drafter protocol ------------------------------------------------------------------------
-
-    def release(self, seq_ids: list[str]) -> None:
-        for seq_id in seq_ids:
-            if seq_id in self.states:
-                self._drop_cache(seq_id)
-            self.history.release(seq_id)
-            self.states.pop(seq_id, None)
-            self.blocks.free(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
@@ -92,7 +79,7 @@ class EagleDrafter:
             self._forget(req.seq_id)  # a full resend replaces whatever we built
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
         if req.features is None:
             return True
         features = req.features
@@ -126,15 +113,6 @@ class EagleDrafter:
             return False
         return True
 
-    def _reserve(self, seq_id: str, num_tokens: int, keep: set[str]) -> bool:
-        while not self.blocks.can_reserve(seq_id, num_tokens):
-            victims = [s for s in self.states if s not in keep and self.blocks.has_seq(s)]
-            if not victims:
-                return False
-            self._drop_cache(victims[0])  # oldest first: dicts keep insertion order
-        self.cache.copy_blocks(self.blocks.reserve(seq_id, num_tokens))
-        return True
-
     def _drop_cache(self, seq_id: str) -> None:
         """Free the head blocks, leaving those of exact positions in the prefix cache; features stay."""
         state = self.states[seq_id]
@@ -150,10 +128,10 @@ class EagleDrafter:
     def _forward(self, rows: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
         """rows: (seq_id, first position, features [n, hidden], next token ids [n]) -> outputs [n, hidden]."""
         spans = [SeqSpan(self.blocks.block_table(seq_id), start, len(ids)) for seq_id, start, _, ids in rows]
-        meta = build_metadata(spans, self.cache.block_size, self.head.fc_weight.device)
+        meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device)
         features = torch.cat([f for _, _, f, _ in rows])  # [T, hidden]
         next_ids = torch.tensor([t for *_, ids in rows for t in ids], dtype=torch.int64)
-        hidden = self.head(features, next_ids, self.cache.layers, meta)  # [T, hidden]
+        hidden = self.head(features, next_ids, self.kv_cache.layers, meta)  # [T, hidden]
         return list(hidden.split([len(ids) for *_, ids in rows]))
 
     def _catch_up(self, active: list[tuple[DraftRequest, list[int]]]) -> None:
@@ -216,7 +194,7 @@ class EagleDrafter:
                 if support is not None:
                     out_probs[i].append(support)
         return [
-            Draft(req.seq_id, req.committed_len, ids, _stack(probs) if probs else None)
+            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
 
@@ -243,15 +221,6 @@ class EagleDrafter:
 def _pair_keys(tokens: list[int]) -> list[int]:
     """One int per head position j: the pair (t_j, t_{j+1}) its K/V depends on, besides earlier ones."""
     return [a * (1 << 31) + b for a, b in zip(tokens, tokens[1:], strict=False)]
-
-
-def _stack(supports: list[tuple[torch.Tensor, torch.Tensor]]) -> SparseProbs:
-    return SparseProbs(torch.stack([ids for ids, _ in supports]), torch.stack([p for _, p in supports]))
-
-
-def _generator(params: SamplingParams) -> torch.Generator:
-    seed = secrets.randbits(63) if params.seed is None else (params.seed + DRAFT_SEED_OFFSET) % (2**63)
-    return torch.Generator().manual_seed(seed)
 
 
 def make_eagle_drafter(
