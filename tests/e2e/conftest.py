@@ -374,9 +374,10 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
     "e2e_stack": dict(name="main"),
     "fault_stack": dict(name="fault", verifier_args=["--max-num-seqs", "3", "--max-waiting", "1"]),
     "orphan_gateway": dict(name="orphan", with_verifier=False),
-    # The repository's EAGLE head, adaptive k (the default), and a KV cache too small for 8 long sequences
-    # at once (80 blocks of 16 = 1,280 tokens): greedy streams run through preemption by recompute.
-    "eagle_stack": dict(name="eagle", proposer_kind="eagle", adaptive_k=True, verifier_args=["--num-kv-blocks", "80"]),
+    # The repository's EAGLE head, adaptive k (the default), and a KV cache too small for 8 sequences of
+    # prompt + 128 tokens at once (66 blocks of 16 = 1,056 tokens, just above one full-length sequence):
+    # greedy streams run through preemption by recompute.
+    "eagle_stack": dict(name="eagle", proposer_kind="eagle", adaptive_k=True, verifier_args=["--num-kv-blocks", "66"]),
 }
 
 
