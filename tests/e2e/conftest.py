@@ -374,10 +374,17 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
     "e2e_stack": dict(name="main"),
     "fault_stack": dict(name="fault", verifier_args=["--max-num-seqs", "3", "--max-waiting", "1"]),
     "orphan_gateway": dict(name="orphan", with_verifier=False),
-    # The repository's EAGLE head, adaptive k (the default), and a KV cache too small for 8 sequences of
-    # prompt + 128 tokens at once (66 blocks of 16 = 1,056 tokens, just above one full-length sequence):
-    # greedy streams run through preemption by recompute.
-    "eagle_stack": dict(name="eagle", proposer_kind="eagle", adaptive_k=True, verifier_args=["--num-kv-blocks", "66"]),
+    # The repository's EAGLE head, adaptive k (the default), and a verifier KV cache far too small for 8
+    # sequences at once: a 256-token context limit and 20 blocks of 16 (320 tokens, just above one
+    # full-length sequence), while the 8 prompts + 128 tokens need about 80 blocks (prefix caching shares the
+    # chat template's blocks and some answers end early, which is why 66 blocks at 1,024 never preempted).
+    # Greedy streams run through preemption by recompute.
+    "eagle_stack": dict(
+        name="eagle",
+        proposer_kind="eagle",
+        adaptive_k=True,
+        verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
+    ),
 }
 
 
