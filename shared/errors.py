@@ -24,6 +24,11 @@ class UnavailableError(SpecdecError):
     """No healthy backend: UNAVAILABLE."""
 
 
+class NumericalError(SpecdecError):
+    """The model's numbers for one request went bad (NaN or inf logits): that request ends, INTERNAL; the
+    others in its batch are unaffected."""
+
+
 def grpc_status_for(err: BaseException) -> tuple[Any, str]:
     """(grpc.StatusCode, message) for an exception raised by a service core."""
     import grpc
@@ -34,6 +39,8 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
+    if isinstance(err, NumericalError):
+        return grpc.StatusCode.INTERNAL, str(err)
     if isinstance(err, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(err) or "deadline exceeded"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"

@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+# Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by 1e-40 gives
+# inf - inf = NaN in the softmax, and a distribution that sharp is the argmax anyway.
+MIN_TEMPERATURE = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -22,6 +26,10 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     @property
     def is_greedy(self) -> bool:

@@ -86,6 +86,7 @@ class RequestOutput:
     output_ids: list[int] = field(default_factory=list)
     num_cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
     features: FeatureStore | None = None  # on the finishing output, when the engine captures features
+    error: str | None = None  # set when this request failed alone (finish_reason ABORT): why, for a person
 
     @property
     def finished(self) -> bool:
@@ -222,6 +223,9 @@ class Engine:
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
         for (s, draft, _), tokens, h in zip(sampling, emitted, sampled_hidden, strict=True):
+            if isinstance(tokens, str):
+                outputs.append(self._fail(s.seq, tokens))
+                continue
             self._keep_features(s.seq, h, s.num_feed + len(tokens) - 1)  # fed tokens and accepted drafts
             outputs.append(self._commit(s, draft, tokens))
         if observer is not None:
@@ -277,7 +281,8 @@ class Engine:
         num_logits = len(draft_ids) + 1 if s.samples else 0
         return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
 
-    def _verify(self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]]) -> list[list[int]]:
+    def _verify(self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]]) -> list[list[int] | str]:
+        """Per row: the emitted tokens, or why the row failed (its numbers went bad: that row alone ends)."""
         if not rows:
             return []
         vocab = self.runner.vocab_size
@@ -296,14 +301,26 @@ class Engine:
                 draft_ids[i, :k] = ids
                 draft_probs[i, :k] = self._dense_draft_probs(draft, ids, vocab)
         target_probs = self._target_probs(target_logits, [s.seq.params for s, _, _ in rows])
-        result = rejection_sample(
-            target_probs, draft_ids, draft_probs, num_drafts, [s.seq.generator for s, _, _ in rows]
-        )
-        emitted = []
-        for i in range(len(rows)):
-            n = int(result.num_accepted[i])
-            emitted.append(result.output_token_ids[i, : n + 1].tolist())
+        failures = _bad_rows(target_logits, target_probs, num_drafts)
+        good = [i for i in range(len(rows)) if i not in failures]
+        emitted: list[list[int] | str] = [failures.get(i, "") for i in range(len(rows))]
+        if good:
+            index = torch.tensor(good)
+            result = rejection_sample(
+                target_probs[index], draft_ids[index], draft_probs[index], num_drafts[index],
+                [rows[i][0].seq.generator for i in good],
+            )  # fmt: skip
+            for j, i in enumerate(good):
+                n = int(result.num_accepted[j])
+                emitted[i] = result.output_token_ids[j, : n + 1].tolist()
         return emitted
+
+    def _fail(self, seq: Sequence, why: str) -> RequestOutput:
+        """End one sequence alone (ABORT with `error`), its KV blocks freed."""
+        self.abort(seq.seq_id)
+        out = RequestOutput(seq.seq_id, [], FinishReason.ABORT, prompt_len=len(seq.prompt_ids), error=why)
+        out.output_ids = seq.output_ids
+        return out
 
     @staticmethod
     def _dense_draft_probs(draft: Draft, ids: torch.Tensor, vocab: int) -> torch.Tensor:  # [k, vocab]
@@ -382,6 +399,28 @@ class Engine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release([seq.seq_id])
+
+
+def _bad_rows(
+    target_logits: torch.Tensor,  # [batch, k_max + 1, vocab]
+    target_probs: torch.Tensor,  # [batch, k_max + 1, vocab]
+    num_drafts: torch.Tensor,  # [batch]
+) -> dict[int, str]:
+    """Rows whose scored positions have NaN or +inf logits, or probabilities that are not a distribution.
+    Checked on the logits too: argmax over NaN still yields a one-hot 'greedy' row."""
+    failures = {}
+    # NaN and +inf survive a sum (-inf logits are legitimate masks); two reductions, no [.., vocab] masks.
+    logit_sums = target_logits.sum(dim=-1)  # [batch, k_max + 1]
+    mass = target_probs.sum(dim=-1, dtype=torch.float64)  # [batch, k_max + 1]
+    bad = torch.isnan(logit_sums) | (logit_sums == float("inf")) | ~torch.isfinite(mass) | ~(mass > 0)
+    for i in bad.any(dim=-1).nonzero().flatten().tolist():
+        positions = bad[i, : int(num_drafts[i]) + 1].nonzero().flatten().tolist()
+        if positions:
+            failures[i] = (
+                f"the model's probabilities for this request were not finite at {len(positions)} scored "
+                "position(s); the request was ended, other requests are unaffected"
+            )
+    return failures
 
 
 def _trim(draft: Draft, k: int) -> Draft:

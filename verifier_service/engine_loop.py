@@ -15,7 +15,7 @@ import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
-from shared.errors import UnavailableError
+from shared.errors import NumericalError, UnavailableError
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
@@ -79,6 +79,7 @@ class StatsSnapshot:
     aborted_requests: int
     stale_drafts: int = 0
     proposer_fallback_steps: int = 0
+    invalid_drafts: int = 0
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which served from the prefix cache
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
@@ -230,6 +231,12 @@ class EngineLoop:
             tracked = self._requests.get(out.request_id)
             if tracked is None:
                 continue  # cancelled while the step ran; the engine already forgot it or will at abort
+            if out.error is not None:  # this request failed alone; the engine freed it already
+                log.error("request failed request_id=%s: %s", out.request_id, out.error)
+                tracked.queue.put_nowait(NumericalError(out.error))
+                self._requests.pop(out.request_id)
+                self.aborted_requests += 1
+                continue
             usage = tracked.usage
             usage.cached_prompt_tokens = out.num_cached_prompt
             usage.completion_tokens += len(out.new_token_ids)
@@ -302,6 +309,7 @@ class EngineLoop:
             aborted_requests=self.aborted_requests,
             stale_drafts=s.stale_drafts,
             proposer_fallback_steps=self.proposer.fallback_steps if self.proposer is not None else 0,
+            invalid_drafts=self.proposer.invalid_drafts if self.proposer is not None else 0,
             prefix_cache_query_tokens=engine.scheduler.prefix_cache.query_tokens,
             prefix_cache_hit_tokens=engine.scheduler.prefix_cache.hit_tokens,
             prefix_cache_evictions=blocks.num_evictions,

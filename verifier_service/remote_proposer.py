@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import itertools
 import logging
 import threading
@@ -37,15 +38,21 @@ class IncompatibleProposerError(Exception):
     """The proposer drafts in another vocabulary: its token ids would be wrong for the target."""
 
 
-def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
+PROB_SUM_TOLERANCE = 1e-3  # float32 probabilities over a few thousand ids sum to 1 within ~1e-5
+
+
+def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = None) -> Draft:
     """Wire draft -> domain draft (probabilities exactly as sent, float32).
 
-    Raises ValueError for a draft that would make verification wrong or crash: ids outside the target
-    vocabulary, inconsistent counts, negative or non-finite probabilities, or a drafted token that has
-    no positive probability in the distribution it was supposedly sampled from.
+    The proposer is untrusted input: raises ValueError for a draft that would make verification wrong or
+    crash: more tokens than the `max_k` asked for, ids outside the target vocabulary, inconsistent counts,
+    negative or non-finite probabilities, a distribution that does not sum to 1, or a drafted token that
+    has no positive probability in the distribution it was supposedly sampled from.
     """
     token_ids = list(msg.draft_token_ids)
     k = len(token_ids)
+    if max_k is not None and k > max_k:
+        raise ValueError(f"{k} draft tokens where at most {max_k} were asked for")
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"draft token ids outside the vocabulary [0, {vocab_size})")
     counts = list(msg.draft_prob_counts)
@@ -62,6 +69,11 @@ def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int) -> Draft:
         raise ValueError(f"draft distribution ids outside the vocabulary [0, {vocab_size})")
     if not bool(torch.isfinite(flat_probs).all()) or bool((flat_probs < 0).any()):
         raise ValueError("draft probabilities must be finite and >= 0")
+    sums = torch.zeros(k, dtype=torch.float64).index_add_(
+        0, torch.repeat_interleave(torch.arange(k), torch.tensor(counts)), flat_probs.double()
+    )
+    if bool(((sums - 1).abs() > PROB_SUM_TOLERANCE).any()):
+        raise ValueError(f"draft distributions must sum to 1, got sums {[round(x, 6) for x in sums.tolist()]}")
     counts_t = torch.tensor(counts, dtype=torch.int64)
     n = int(counts_t.max())
     rows = torch.repeat_interleave(torch.arange(k), counts_t)  # [total]
@@ -84,6 +96,7 @@ class RoundTrip:
     seconds: float  # send to answer, as measured by the verifier
     draft_seconds: float  # what the proposer reports it spent on the message (0: unknown)
     fallback: bool  # answered without the proposer: k = 0 for this step
+    invalid: tuple[tuple[str, str], ...] = ()  # (seq_id, why) of each draft discarded as invalid
 
     @property
     def network_seconds(self) -> float:
@@ -288,7 +301,7 @@ class RemoteProposer:
             detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else f"{type(err).__name__}: {err}"
             self._lose(call, loop, detail)
             return self._fallback(requests)
-        return self._unpack(requests, response, call, loop)
+        return self._unpack(requests, message, response, call, loop)
 
     def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         if self._connected:
@@ -348,6 +361,7 @@ class RemoteProposer:
     def _unpack(
         self,
         requests: list[DraftRequest],
+        message: proposer_pb2.ProposeRequest,
         response: proposer_pb2.ProposeResponse,
         call: grpc.aio.StreamStreamCall,
         loop: asyncio.AbstractEventLoop,
@@ -356,13 +370,16 @@ class RemoteProposer:
             self.errors += 1
             self._lose(call, loop, f"{len(response.drafts)} drafts for {len(requests)} sequences")
             return self._fallback(requests)
-        drafts = []
-        for req, msg in zip(requests, response.drafts, strict=True):
+        drafts, invalid = [], []
+        for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size)
-            except ValueError as err:
+                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k)
+            except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
+                invalid.append((req.seq_id, str(err)))
                 log.warning("invalid draft discarded seq_id=%s: %s", req.seq_id, err)
                 draft = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
             drafts.append(draft)
+        if invalid and self.last_round_trip is not None:
+            self.last_round_trip = dataclasses.replace(self.last_round_trip, invalid=tuple(invalid))
         return drafts

@@ -120,6 +120,9 @@ def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
         prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
         prefix_cache_hit_rate=s.prefix_cache_hit_rate,
         prefix_cache_evictions=s.prefix_cache_evictions,
+        stale_drafts=s.stale_drafts,
+        invalid_drafts=s.invalid_drafts,
+        proposer_fallback_steps=s.proposer_fallback_steps,
     )
 
 

@@ -125,6 +125,12 @@ class VerifierTelemetry:
             "{step}",
         )
         counter(
+            "specdec_invalid_drafts",
+            "drafts discarded as invalid (bad ids, counts or probabilities): k = 0 for that sequence and step",
+            lambda: self.proposer.invalid_drafts if self.proposer is not None else 0,
+            "{draft}",
+        )
+        counter(
             "specdec_requests_finished",
             "requests finished (stop or length)",
             lambda: self.loop.finished_requests,
@@ -328,6 +334,8 @@ class VerifierTelemetry:
                     "specdec.proposer.fallback": rt.fallback,
                 }
             )
+            for seq_id, why in rt.invalid:
+                step.propose_span.add_event("invalid_draft", {"specdec.seq_id": seq_id, "specdec.reason": why})
         step.propose_span.end(end_time=_ns(proposed, self._offset_ns))
 
     def step_finished(

@@ -49,7 +49,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "kv_block_size", "drafted_tokens", "accepted_tokens", "emitted_tokens", "steps", "sequence_steps", "mean_accepted_length", "acceptance_rate", "preemptions", "proposer_connected", "finished_requests", "aborted_requests", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evictions")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "kv_block_size", "drafted_tokens", "accepted_tokens", "emitted_tokens", "steps", "sequence_steps", "mean_accepted_length", "acceptance_rate", "preemptions", "proposer_connected", "finished_requests", "aborted_requests", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evictions", "stale_drafts", "invalid_drafts", "proposer_fallback_steps")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -72,6 +72,9 @@ class EngineStats(_message.Message):
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    STALE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    INVALID_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -94,4 +97,7 @@ class EngineStats(_message.Message):
     prefix_cache_hit_tokens: int
     prefix_cache_hit_rate: float
     prefix_cache_evictions: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., proposer_connected: _Optional[bool] = ..., finished_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evictions: _Optional[int] = ...) -> None: ...
+    stale_drafts: int
+    invalid_drafts: int
+    proposer_fallback_steps: int
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., proposer_connected: _Optional[bool] = ..., finished_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evictions: _Optional[int] = ..., stale_drafts: _Optional[int] = ..., invalid_drafts: _Optional[int] = ..., proposer_fallback_steps: _Optional[int] = ...) -> None: ...
