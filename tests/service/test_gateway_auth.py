@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 from typing import Any
@@ -20,7 +21,7 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from gateway import health_probe
+from gateway import client, health_probe
 from gateway.config import GatewayConfig, load_gateway_config
 from gateway.server import start_gateway
 from shared.grpc_server import add_health_and_reflection, new_server
@@ -362,3 +363,23 @@ def test_api_key_flags_and_environment(monkeypatch, tmp_path):
 
     with pytest.raises(ValueError, match="line 2: the same key"):
         asyncio.run(start_bad())
+
+
+def test_the_specdec_client_sends_its_key(tokenizer, tmp_path, monkeypatch, capsys):
+    path = key_file(tmp_path)
+
+    async def scenario() -> list[int]:
+        fs = await start_recording_fake()
+        async with AuthHarness(tokenizer, [fs], api_keys_file=str(path)) as h:
+            argv = ["--address", h.gateway.address, "--prompt-token-ids", "1,2", "--max-tokens", "4", "--json"]
+            codes = [await asyncio.to_thread(client.run, client.build_parser().parse_args(argv))]
+            monkeypatch.setenv("SPECDEC_API_KEY", ALICE)
+            codes.append(await asyncio.to_thread(client.run, client.build_parser().parse_args(argv)))
+            codes.append(await asyncio.to_thread(client.run, client.build_parser().parse_args([*argv, "--unary"])))
+            return codes
+
+    assert asyncio.run(scenario()) == [1, 0, 0]
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0] == {"type": "error", "code": "UNAUTHENTICATED", "message": lines[0]["message"]}
+    finals = [line for line in lines if line["type"] == "final"]
+    assert [f["token_ids"] for f in finals] == [counting(2, 4)] * 2
