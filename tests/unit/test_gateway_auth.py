@@ -175,9 +175,8 @@ def test_concurrent_streams_per_name_with_a_retry_hint_and_release(tmp_path):
     with first:
         pass
     first.release()  # idempotent
-    with auth.admit(bearer(KEY_A)):
-        with pytest.raises(RateLimitedError):
-            auth.admit(bearer(KEY_B))
+    with auth.admit(bearer(KEY_A)), pytest.raises(RateLimitedError):
+        auth.admit(bearer(KEY_B))
     second.release()
 
 
@@ -204,3 +203,14 @@ def test_tokens_per_minute_sliding_window(tmp_path):
         auth.admit(bearer(KEY_B))
     clock.now += 60
     auth.admit(bearer(KEY_B)).release()
+
+
+def test_the_readme_example_file_parses():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "gateway" / "README.md").read_text()
+    example = readme.split("The file, one key a line")[1].split("```")[1]
+    keys = {k.name: k for k in parse_key_file(example).values()}
+    assert keys["web-app"].max_streams == 8 and keys["web-app"].tokens_per_minute == 200000
+    assert keys["batch"].digest == key_digest("sk-batch-2b7e151628aed2a6") and keys["batch"].tokens_per_minute == 0
+    assert len(keys) == 3
