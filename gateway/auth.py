@@ -140,7 +140,7 @@ class KeyFile:
             if error is not None:
                 raise error
             keys = self._read()
-        except (OSError, KeyFileError) as err:
+        except (OSError, ValueError) as err:  # ValueError: KeyFileError, or not UTF-8
             log.error("event=api_keys_reload_failed file=%s error=%s kept_keys=%d", self.path, err, len(self.keys))
             return self.keys
         removed = self.keys.keys() - keys.keys()

@@ -101,10 +101,12 @@ def test_key_file_reloads_on_change_keeps_the_last_good_keys_and_labels_revoked(
         write(path, f"{KEY_B} bob tpm=oops\n")  # a bad edit: the last good keys stay
         assert auth.identify(bearer(KEY_B)).name == "bob"
         assert auth.identify(bearer(KEY_B)).name == "bob"
+        path.write_bytes(b"\xff\xfe not utf-8\n")
+        assert auth.identify(bearer(KEY_B)).name == "bob"
         path.unlink()
         assert auth.identify(bearer(KEY_B)).name == "bob"
     errors = [r.getMessage() for r in caplog.records if "api_keys_reload_failed" in r.getMessage()]
-    assert len(errors) == 2 and "line 1: tpm must be" in errors[0]  # once per change, not per request
+    assert len(errors) == 3 and "line 1: tpm must be" in errors[0]  # once per change, not per request
     write(path, f"{KEY_A} alice\n")  # alice back, bob gone
     assert auth.identify(bearer(KEY_A)).name == "alice"
     with pytest.raises(UnauthenticatedError):
