@@ -213,6 +213,12 @@ class Grant:
     def __exit__(self, *exc: object) -> None:
         self.release()
 
+    async def __aenter__(self) -> Grant:  # so that one `async with` holds it and the request's generator
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
 
 class ApiKeyAuth:
     """Who a request is (its bearer key) and whether its key's limits let it in."""

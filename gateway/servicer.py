@@ -148,15 +148,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # An async generator (not context.write): the tracing interceptor wraps streaming handlers as such.
         fields = RequestFields.from_proto(request)
         try:
-            with self._admit(context) as grant:
-                async with contextlib.aclosing(self._generate(fields, context, grant)) as parts:
-                    async for request_id, chunk, final in parts:
-                        response = gateway_pb2.GenerateResponse(
-                            request_id=request_id, token_ids=chunk.token_ids, text=chunk.text
-                        )
-                        if final is not None:
-                            _set_final(response, final)
-                        yield response
+            async with (
+                self._admit(context) as grant,
+                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+            ):
+                async for request_id, chunk, final in parts:
+                    response = gateway_pb2.GenerateResponse(
+                        request_id=request_id, token_ids=chunk.token_ids, text=chunk.text
+                    )
+                    if final is not None:
+                        _set_final(response, final)
+                    yield response
         except (SpecdecError, VerifierError) as err:
             await _abort(context, err)
 
@@ -167,14 +169,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         response = gateway_pb2.CompleteResponse()
         text: list[str] = []
         try:
-            with self._admit(context) as grant:
-                async with contextlib.aclosing(self._generate(fields, context, grant)) as parts:
-                    async for request_id, chunk, final in parts:
-                        response.request_id = request_id
-                        response.token_ids.extend(chunk.token_ids)
-                        text.append(chunk.text)
-                        if final is not None:
-                            _set_final(response, final)
+            async with (
+                self._admit(context) as grant,
+                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+            ):
+                async for request_id, chunk, final in parts:
+                    response.request_id = request_id
+                    response.token_ids.extend(chunk.token_ids)
+                    text.append(chunk.text)
+                    if final is not None:
+                        _set_final(response, final)
         except (SpecdecError, VerifierError) as err:
             await _abort(context, err)
         response.text = "".join(text)
