@@ -20,6 +20,7 @@ for tokenizers that add one. The tokenizer must be the one the gateway serves.
      "stop_string" | "stop_token_id": ..., "text": full text, "token_ids": all ids,
      "acceptance_rate": ..., "elapsed_s": ..., "time_to_first_token_s": ...}
     {"type": "error", "code": "INVALID_ARGUMENT", "message": "..."}                     on failure
+API key (a gateway with --api-keys-file): SPECDEC_API_KEY, or --api-key (seen by `ps` and shell history).
 Exit status: 0 done, 1 the RPC failed, 2 bad command line, 130 interrupted.
 """
 
@@ -58,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("prompt", nargs="?", default="-", help="the prompt ('-' or absent: read stdin)")
     p.add_argument("--address", default=DEFAULT_ADDRESS, help="gateway HOST:PORT (env SPECDEC_GATEWAY_ADDRESS)")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("SPECDEC_API_KEY", ""),
+        help="sent as 'authorization: Bearer <key>' (env SPECDEC_API_KEY, which other users cannot see in ps)",
+    )
     p.add_argument("--max-tokens", type=int, help="most tokens to generate (default: the gateway's)")
     p.add_argument("--temperature", type=float, help="0 = greedy (the default)")
     p.add_argument("--top-p", type=float)
@@ -147,11 +153,12 @@ def stats_line(final: Any, elapsed: float, ttft: float | None) -> str:
 def _responses(
     stub: gateway_pb2_grpc.GatewayStub, req: gateway_pb2.GenerateRequest, args: argparse.Namespace
 ) -> Iterator[Any]:
+    metadata = (("authorization", f"Bearer {args.api_key}"),) if args.api_key else None
     if args.unary:
         complete = gateway_pb2.CompleteRequest.FromString(req.SerializeToString())  # same fields and numbers
-        yield stub.Complete(complete, timeout=args.timeout)
+        yield stub.Complete(complete, timeout=args.timeout, metadata=metadata)
         return
-    call = stub.Generate(req, timeout=args.timeout)
+    call = stub.Generate(req, timeout=args.timeout, metadata=metadata)
     try:
         yield from call
     finally:

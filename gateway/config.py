@@ -55,6 +55,19 @@ class GatewayConfig:
     drain_timeout_s: float = field(
         default=10.0, metadata=_help("on SIGTERM: seconds running requests may finish before they are cancelled")
     )
+    api_keys_file: str = field(
+        default="",
+        metadata=_help(
+            "file of API keys, one a line: KEY_OR_SHA256 [NAME] [max_streams=N] [tpm=N] (gateway/auth.py); requests "
+            "then need 'authorization: Bearer <key>' metadata; re-read when it changes; empty: no keys needed"
+        ),
+    )
+    api_key_max_concurrent_streams: int = field(
+        default=0, metadata=_help("requests (Generate, Complete) one key name may have running at once (0: no limit)")
+    )
+    api_key_max_tokens_per_minute: int = field(
+        default=0, metadata=_help("prompt plus generated tokens one key name may use per sliding minute (0: no limit)")
+    )
     metrics_port: int = field(
         default=0, metadata=_help("Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables")
     )
@@ -86,6 +99,8 @@ class GatewayConfig:
             raise ValueError("max_stop_token_ids and max_resumes must be >= 0")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
+        if self.api_key_max_concurrent_streams < 0 or self.api_key_max_tokens_per_minute < 0:
+            raise ValueError("api_key_max_concurrent_streams and api_key_max_tokens_per_minute must be >= 0")
 
     def tokenizer_name(self) -> str:
         if self.tokenizer:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2
 
+from gateway.auth import ApiKeyAuth, KeyFile
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
 from gateway.frontend import Frontend
@@ -99,6 +100,7 @@ async def start_gateway(
 ) -> RunningGateway:
     """Builds and starts a gateway (tests pass an already loaded tokenizer, and port 0). `telemetry`:
     default from the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
+    auth = _auth(config)  # a bad key file stops the start before the slow part
     if tokenizer is None:
         from shared.model.loader import load_tokenizer
 
@@ -108,7 +110,7 @@ async def start_gateway(
     if telemetry is None:
         telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
     pool = BackendPool(config, interceptors=telemetry.client_interceptors())
-    servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry)
+    servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry, auth=auth)
     server = new_server(telemetry.server_interceptors())
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
@@ -131,6 +133,15 @@ async def start_gateway(
         healthy,
     )
     return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness, telemetry)
+
+
+def _auth(config: GatewayConfig) -> ApiKeyAuth | None:
+    """API keys on the Gateway service only: grpc.health.v1 and reflection stay open (probes carry no key)."""
+    if not config.api_keys_file:
+        return None
+    return ApiKeyAuth(
+        KeyFile(config.api_keys_file), config.api_key_max_concurrent_streams, config.api_key_max_tokens_per_minute
+    )
 
 
 async def serve(config: GatewayConfig) -> None:

@@ -27,10 +27,19 @@ from typing import Any
 
 import grpc
 
+from gateway.auth import ApiKeyAuth, Grant
 from gateway.backends import BackendPool
 from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
-from shared.errors import InvalidRequestError, SpecdecError, UnavailableError, grpc_status_for
+from shared.errors import (
+    InvalidRequestError,
+    RateLimitedError,
+    SpecdecError,
+    UnauthenticatedError,
+    UnavailableError,
+    grpc_status_for,
+    grpc_trailing_metadata_for,
+)
 from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import (
     common_pb2,
@@ -102,6 +111,7 @@ class _RequestRun:
     failed_backends: set[str] = field(default_factory=set)  # left out when picking the next verifier
     resumes: int = 0
     live_calls: list[Any] = field(default_factory=list)  # the verifier calls to cancel if the client goes away
+    grant: Grant = field(default_factory=Grant)  # the API key's name and token charges
 
 
 @dataclass
@@ -119,8 +129,11 @@ class _Segment:
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
-    def __init__(self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None, auth: ApiKeyAuth | None = None
+    ) -> None:
         self.frontend = frontend
+        self.auth = auth  # None: no API keys (--api-keys-file unset)
         self.pool = pool
         self.router = pool.router
         self.config = frontend.config
@@ -135,7 +148,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # An async generator (not context.write): the tracing interceptor wraps streaming handlers as such.
         fields = RequestFields.from_proto(request)
         try:
-            async with contextlib.aclosing(self._generate(fields, context)) as parts:
+            async with (
+                self._admit(context) as grant,
+                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+            ):
                 async for request_id, chunk, final in parts:
                     response = gateway_pb2.GenerateResponse(
                         request_id=request_id, token_ids=chunk.token_ids, text=chunk.text
@@ -153,7 +169,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         response = gateway_pb2.CompleteResponse()
         text: list[str] = []
         try:
-            async with contextlib.aclosing(self._generate(fields, context)) as parts:
+            async with (
+                self._admit(context) as grant,
+                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+            ):
                 async for request_id, chunk, final in parts:
                     response.request_id = request_id
                     response.token_ids.extend(chunk.token_ids)
@@ -168,6 +187,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     async def GetStats(  # type: ignore[override]
         self, request: gateway_pb2.GetStatsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.GetStatsResponse:
+        try:
+            self._admit(context, limits=False)
+        except SpecdecError as err:
+            await _abort(context, err)
         response = gateway_pb2.GetStatsResponse(
             active_requests=self.counters.active_requests,
             total_requests=self.counters.total_requests,
@@ -181,10 +204,28 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 entry.engine.CopyFrom(backend.engine)
         return response
 
+    def _admit(self, context: grpc.aio.ServicerContext, limits: bool = True) -> Grant:
+        """The caller's API key (UNAUTHENTICATED) and its limits (RESOURCE_EXHAUSTED), before any work."""
+        if self.auth is None:
+            return Grant()
+        values = [str(v) for k, v in context.invocation_metadata() or () if k == "authorization"]
+        try:
+            return self.auth.admit(values, limits)
+        except UnauthenticatedError as err:
+            self.telemetry.auth_rejections.add(1, {"reason": err.reason})
+            log.info("event=unauthenticated reason=%s peer=%s", err.reason, context.peer())
+            raise
+        except RateLimitedError as err:
+            self.telemetry.rate_limited.add(1, {"api_key": err.client, "limit": err.limit})
+            log.info(
+                "event=rate_limited api_key=%s limit=%s retry_after_s=%d", err.client, err.limit, err.retry_after_s
+            )
+            raise
+
     # -- the request loop --------------------------------------------------------------------------
 
     async def _generate(
-        self, fields: RequestFields, context: grpc.aio.ServicerContext
+        self, fields: RequestFields, context: grpc.aio.ServicerContext, grant: Grant
     ) -> AsyncGenerator[tuple[str, Chunk, Final | None], None]:
         """Yields (request_id, chunk, final-or-None) per verifier message; raises SpecdecError / VerifierError.
 
@@ -198,12 +239,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
         if not fields.request_id:
             fields = dataclasses.replace(fields, request_id=uuid.uuid4().hex)
-        traced = self.telemetry.request_started(fields.request_id, fields.session_id)
-        run = _RequestRun(fields.request_id, traced, started, live_calls=live_calls)
+        traced = self.telemetry.request_started(fields.request_id, fields.session_id, grant.name)
+        run = _RequestRun(fields.request_id, traced, started, live_calls=live_calls, grant=grant)
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
             prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
             prepared = self.frontend.prepare(fields, prompt_ids)
+            grant.charge(len(prepared.prompt_ids))
             final: Final | None = None
             async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
                 async for chunk, final in parts:
@@ -249,6 +291,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 async with contextlib.aclosing(stream):
                     async for chunk, final in stream:
                         self.telemetry.chunk(run.traced, len(chunk.token_ids))
+                        run.grant.charge(len(chunk.token_ids))
                         if final is not None:
                             run.acct.add_segment(segment.usage, segment.steps)
                             self._finish(run, prepared, out.token_ids, final)
@@ -296,7 +339,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         """After the final message was taken by the client."""
         log.info(
             "event=finished request_id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
-            "drafted=%d accepted=%d resumes=%d seconds=%.3f",
+            "drafted=%d accepted=%d resumes=%d seconds=%.3f api_key=%s",
             run.request_id,
             common_pb2.FinishReason.Name(final.finish_reason),
             final.usage.prompt_tokens,
@@ -305,6 +348,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             final.usage.accepted_tokens,
             run.resumes,
             time.monotonic() - run.started,
+            run.grant.name or "-",
         )
 
     def _finished_before_call(self, prepared: PreparedRequest, emitted: list[int]) -> Final | None:
@@ -434,4 +478,4 @@ def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
-    await context.abort(*_status_of(err))
+    await context.abort(*_status_of(err), trailing_metadata=grpc_trailing_metadata_for(err))

@@ -53,13 +53,26 @@ class GatewayTelemetry:
         )
         self.prompt_tokens = meter.create_counter("specdec_gateway_prompt_tokens", unit="{token}")
         self.completion_tokens = meter.create_counter("specdec_gateway_completion_tokens", unit="{token}")
+        # Refused before any work: a request without a valid key, or over its key's limits (gateway/auth.py).
+        self.auth_rejections = meter.create_counter(
+            "specdec_gateway_auth_rejections",
+            unit="{request}",
+            description="requests refused with UNAUTHENTICATED, by reason (missing, malformed, unknown, revoked)",
+        )
+        self.rate_limited = meter.create_counter(
+            "specdec_gateway_rate_limited",
+            unit="{request}",
+            description="requests refused with RESOURCE_EXHAUSTED by their API key's limits, by key name and limit",
+        )
         latency = RequestLatency.create(meter, "specdec_gateway_", "gateway")
         self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
 
-    def request_started(self, request_id: str, session_id: str) -> GatewayRequestTrace:
-        span = self.tracer.start_span(
-            "gateway.request", attributes={"specdec.request_id": request_id, "specdec.session_id": session_id}
-        )
+    def request_started(self, request_id: str, session_id: str, api_key: str = "") -> GatewayRequestTrace:
+        """`api_key`: the key's name (never the key) when the gateway has keys."""
+        attributes = {"specdec.request_id": request_id, "specdec.session_id": session_id}
+        if api_key:
+            attributes["specdec.api_key_name"] = api_key
+        span = self.tracer.start_span("gateway.request", attributes=attributes)
         return GatewayRequestTrace(span, time.perf_counter())
 
     @contextlib.contextmanager

@@ -29,13 +29,33 @@ class NumericalError(SpecdecError):
     others in its batch are unaffected."""
 
 
+class UnauthenticatedError(SpecdecError):
+    """No valid credentials: UNAUTHENTICATED. `reason` labels metrics and logs, not the client's message."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+class RateLimitedError(SpecdecError):
+    """A client over its own limit: RESOURCE_EXHAUSTED, with a `retry-after` trailer in whole seconds."""
+
+    def __init__(self, message: str, retry_after_s: int, client: str = "", limit: str = "") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.client = client
+        self.limit = limit
+
+
 def grpc_status_for(err: BaseException) -> tuple[Any, str]:
     """(grpc.StatusCode, message) for an exception raised by a service core."""
     import grpc
 
     if isinstance(err, InvalidRequestError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
-    if isinstance(err, QueueFullError):
+    if isinstance(err, UnauthenticatedError):
+        return grpc.StatusCode.UNAUTHENTICATED, str(err)
+    if isinstance(err, (QueueFullError, RateLimitedError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
@@ -44,3 +64,10 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
     if isinstance(err, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(err) or "deadline exceeded"
     return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+
+
+def grpc_trailing_metadata_for(err: BaseException) -> tuple[tuple[str, str], ...]:
+    """Trailing metadata that goes with the status: `retry-after` (seconds) when the client should wait."""
+    if isinstance(err, RateLimitedError):
+        return (("retry-after", str(err.retry_after_s)),)
+    return ()
