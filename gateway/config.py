@@ -34,6 +34,28 @@ class GatewayConfig:
     )
     host: str = field(default="0.0.0.0", metadata=_help("address to listen on"))
     port: int = field(default=50051, metadata=_help("port to listen on (0: pick a free one)"))
+    max_prompt_chars: int = field(
+        default=1_000_000, metadata=_help("longest text prompt, in characters (checked before tokenizing)")
+    )
+    max_prompt_tokens: int = field(
+        default=131_072, metadata=_help("most prompt tokens (prompt_token_ids, or the tokenized text)")
+    )
+    max_request_bytes: int = field(
+        default=4 * 1024 * 1024, metadata=_help("largest request message the public port accepts, in bytes")
+    )
+    max_concurrent_rpcs: int = field(
+        default=1024, metadata=_help("calls served at once; more get RESOURCE_EXHAUSTED instead of queueing")
+    )
+    enable_reflection: bool = field(
+        default=False, metadata=_help("serve gRPC reflection on the public port (grpcurl without proto files)")
+    )
+    expose_backends: bool = field(
+        default=False, metadata=_help("list the verifiers (addresses, health, engine stats) in GetStats")
+    )
+    verifier_call_timeout_s: float = field(
+        default=600.0,
+        metadata=_help("deadline of a verifier call when the client set none (a client's own deadline is passed on)"),
+    )
     default_max_tokens: int = field(default=128, metadata=_help("max_tokens of requests that leave it unset"))
     max_tokens_limit: int = field(
         default=32768, metadata=_help("largest max_tokens a request may ask for (also capped by the context length)")
@@ -90,13 +112,18 @@ class GatewayConfig:
             raise ValueError(f"verifier addresses repeat: {','.join(self.verifiers)}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"port and metrics_port must be in [0, 65535], got {self.port}, {self.metrics_port}")
-        for name in ("default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars"):
+        for name in (
+            "default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars",
+            "max_prompt_chars", "max_prompt_tokens", "max_request_bytes", "max_concurrent_rpcs",
+        ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.default_max_tokens > self.max_tokens_limit:
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if self.max_stop_token_ids < 0 or self.max_resumes < 0:
             raise ValueError("max_stop_token_ids and max_resumes must be >= 0")
+        if self.verifier_call_timeout_s <= 0:
+            raise ValueError(f"verifier_call_timeout_s must be > 0, got {self.verifier_call_timeout_s}")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
         if self.api_key_max_concurrent_streams < 0 or self.api_key_max_tokens_per_minute < 0:

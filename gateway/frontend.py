@@ -6,7 +6,6 @@ raises `shared.errors.InvalidRequestError` with messages written for a person.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +13,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from shared.errors import InvalidRequestError
+from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
@@ -65,7 +65,7 @@ class RequestFields:
 class PreparedRequest:
     """A validated request with every default resolved; what the verifier is sent (token ids only)."""
 
-    request_id: str
+    request_id: str  # the gateway's own id: verifiers key the request by it
     session_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
@@ -90,6 +90,16 @@ class Frontend:
     def check_fields(self, req: RequestFields, vocab_size: int | None = None) -> None:
         """Everything checkable before tokenizing. `vocab_size`: the verifiers' vocabulary, if known."""
         cfg = self.config
+        check_request_id(req.request_id)
+        check_request_id(req.session_id, "session_id")
+        if len(req.prompt) > cfg.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the prompt has {len(req.prompt)} characters; the limit is {cfg.max_prompt_chars}"
+            )
+        if len(req.prompt_token_ids) > cfg.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; the limit is {cfg.max_prompt_tokens}"
+            )
         if req.prompt and req.prompt_token_ids:
             raise InvalidRequestError("set exactly one of prompt and prompt_token_ids, not both")
         if not req.prompt and not req.prompt_token_ids:
@@ -135,14 +145,21 @@ class Frontend:
         ids = tuple(self.tokenizer.encode(prompt))
         if not ids:
             raise InvalidRequestError("the prompt is empty after tokenization")
+        if len(ids) > self.config.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"the prompt is {len(ids)} tokens long; the limit is {self.config.max_prompt_tokens}"
+            )
         return ids
 
-    def prepare(self, req: RequestFields, prompt_ids: Sequence[int] | None = None) -> PreparedRequest:
-        """A checked request (check_fields first) plus its prompt ids -> PreparedRequest."""
+    def prepare(
+        self, req: RequestFields, prompt_ids: Sequence[int] | None = None, request_id: str = ""
+    ) -> PreparedRequest:
+        """A checked request (check_fields first) plus its prompt ids -> PreparedRequest. `request_id`: the
+        gateway's internal id (what verifiers see); the client's stays in `req`."""
         ids = tuple(prompt_ids) if prompt_ids is not None else tuple(req.prompt_token_ids)
         sampling = self._sampling(req)
         return PreparedRequest(
-            request_id=req.request_id or uuid.uuid4().hex,
+            request_id=request_id or new_internal_id(),
             session_id=req.session_id,
             prompt_ids=ids,
             max_tokens=sampling.max_tokens,

@@ -111,9 +111,9 @@ async def start_gateway(
         telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
     pool = BackendPool(config, interceptors=telemetry.client_interceptors())
     servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry, auth=auth)
-    server = new_server(telemetry.server_interceptors())
+    server = new_server(telemetry.server_interceptors(), config.max_request_bytes, config.max_concurrent_rpcs)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
-    health_servicer = add_health_and_reflection(server, [SERVICE_NAME])
+    health_servicer = add_health_and_reflection(server, [SERVICE_NAME], reflection_on=config.enable_reflection)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     if port == 0:
         telemetry.shutdown()

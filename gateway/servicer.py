@@ -17,10 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +45,7 @@ from shared.proto_gen.specdec.v1 import (
     gateway_pb2_grpc,
     verifier_pb2,
 )
+from shared.request_ids import check_request_id, new_internal_id
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -104,9 +103,10 @@ class _Accounting:
 class _RequestRun:
     """One request across its verifier segments (more than one after a resume)."""
 
-    request_id: str
+    request_id: str  # the gateway's own id: what verifiers, logs and spans key the request by
     traced: GatewayRequestTrace
     started: float  # time.monotonic() when the request arrived
+    client_request_id: str = ""  # what the client sent (checked) or, if none, request_id: echoed back
     acct: _Accounting = field(default_factory=_Accounting)
     failed_backends: set[str] = field(default_factory=set)  # left out when picking the next verifier
     resumes: int = 0
@@ -196,6 +196,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             total_requests=self.counters.total_requests,
             resumed_requests=self.counters.resumed_requests,
         )
+        if not self.config.expose_backends:  # internal addresses are not the public's business
+            return response
         for backend in self.pool.backends.values():
             entry = response.backends.add(
                 address=backend.address, healthy=backend.load.healthy, active_requests=backend.load.active_requests
@@ -237,19 +239,27 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         live_calls: list[Any] = []
         # Second guard: whatever the handler task is doing when the client goes away, cancel the verifier call.
         context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
-        if not fields.request_id:
-            fields = dataclasses.replace(fields, request_id=uuid.uuid4().hex)
-        traced = self.telemetry.request_started(fields.request_id, fields.session_id, grant.name)
-        run = _RequestRun(fields.request_id, traced, started, live_calls=live_calls, grant=grant)
+        # Our own id keys the request everywhere (verifiers, proposer, logs); the client's, checked below, is
+        # only echoed back and recorded beside it.
+        internal_id = new_internal_id()
+        client_id = _acceptable_request_id(fields.request_id)
+        session_id = _acceptable_request_id(fields.session_id)  # unchecked text stays out of spans
+        traced = self.telemetry.request_started(internal_id, session_id, grant.name, client_id)
+        run = _RequestRun(internal_id, traced, started, client_id or internal_id, live_calls=live_calls, grant=grant)
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
-            prompt_ids = self.frontend.tokenize(fields.prompt) if fields.prompt else fields.prompt_token_ids
-            prepared = self.frontend.prepare(fields, prompt_ids)
+            # Off the event loop: a long prompt must not stall every other stream and the health checks.
+            prompt_ids = (
+                await asyncio.to_thread(self.frontend.tokenize, fields.prompt)
+                if fields.prompt
+                else fields.prompt_token_ids
+            )
+            prepared = self.frontend.prepare(fields, prompt_ids, internal_id)
             grant.charge(len(prepared.prompt_ids))
             final: Final | None = None
             async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
                 async for chunk, final in parts:
-                    yield run.request_id, chunk, final
+                    yield run.client_request_id, chunk, final
             if final is not None:
                 self._log_finished(run, final)
         except asyncio.CancelledError:
@@ -257,7 +267,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             raise
         except (SpecdecError, VerifierError) as err:
             level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
-            log.log(level, "event=rejected request_id=%s error=%r", run.request_id, str(err))
+            log.log(
+                level,
+                "event=rejected request_id=%s client_request_id=%r error=%r",
+                run.request_id,
+                client_id,
+                str(err),
+            )
             self.telemetry.failed(run.traced, *_status_of(err))
             raise
         finally:
@@ -338,9 +354,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def _log_finished(self, run: _RequestRun, final: Final) -> None:
         """After the final message was taken by the client."""
         log.info(
-            "event=finished request_id=%s finish_reason=%s prompt_tokens=%d completion_tokens=%d "
-            "drafted=%d accepted=%d resumes=%d seconds=%.3f api_key=%s",
+            "event=finished request_id=%s client_request_id=%s finish_reason=%s prompt_tokens=%d "
+            "completion_tokens=%d drafted=%d accepted=%d resumes=%d seconds=%.3f api_key=%s",
             run.request_id,
+            run.client_request_id,
             common_pb2.FinishReason.Name(final.finish_reason),
             final.usage.prompt_tokens,
             final.usage.completion_tokens,
@@ -387,7 +404,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             ignore_eos=prepared.ignore_eos,
             max_draft_tokens=prepared.max_draft_tokens,
         )
-        timeout = context.time_remaining()
+        timeout = context.time_remaining()  # the client's deadline, passed on; None when it set none
+        if timeout is None:
+            timeout = self.config.verifier_call_timeout_s
         with self.telemetry.current(traced):  # the call's client span and metadata carry the request's trace
             call = backend.stub.Generate(request, timeout=timeout)
         segment.calls.append(call)
@@ -460,6 +479,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             num_steps=acct.steps,
             mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
         )
+
+
+def _acceptable_request_id(value: str) -> str:
+    """The client's id if it passes the checks (else '': check_fields then refuses the request)."""
+    try:
+        return check_request_id(value)
+    except InvalidRequestError:
+        return ""
 
 
 def _set_final(response: Any, final: Final) -> None:

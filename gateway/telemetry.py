@@ -67,9 +67,14 @@ class GatewayTelemetry:
         latency = RequestLatency.create(meter, "specdec_gateway_", "gateway")
         self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
 
-    def request_started(self, request_id: str, session_id: str, api_key: str = "") -> GatewayRequestTrace:
-        """`api_key`: the key's name (never the key) when the gateway has keys."""
+    def request_started(
+        self, request_id: str, session_id: str, api_key: str = "", client_request_id: str = ""
+    ) -> GatewayRequestTrace:
+        """`request_id`: the gateway's own; `client_request_id`: the client's (checked), if it sent one;
+        `api_key`: the key's name (never the key) when the gateway has keys."""
         attributes = {"specdec.request_id": request_id, "specdec.session_id": session_id}
+        if client_request_id:
+            attributes["specdec.client_request_id"] = client_request_id
         if api_key:
             attributes["specdec.api_key_name"] = api_key
         span = self.tracer.start_span("gateway.request", attributes=attributes)

@@ -27,7 +27,10 @@ class ProposerConfig:
             "(default: the repository's target)"
         },
     )
-    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address to listen on (loopback by default: an internal service; 0.0.0.0 in a pod)"},
+    )
     port: int = field(default=50053, metadata={"help": "port to listen on (0: any free port)"})
     max_k: int = field(default=16, metadata={"help": "largest draft length per sequence per step (larger k clamped)"})
     max_num_seqs: int = field(

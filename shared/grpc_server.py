@@ -11,7 +11,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a batch of drafts with sparse probabilities stays far below this
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # between services: a full resync of features for a batch stays below this
+MAX_CONCURRENT_RPCS = 4096  # past it a server answers RESOURCE_EXHAUSTED instead of queueing without bound
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
@@ -25,19 +26,32 @@ SERVER_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.http2.min_ping_interval_without_data_
 log = logging.getLogger(__name__)
 
 
-def new_server(interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
-    """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on."""
-    return grpc.aio.server(options=SERVER_OPTIONS, interceptors=list(interceptors) or None)
+def new_server(
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+    max_receive_bytes: int = MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int = MAX_CONCURRENT_RPCS,
+) -> grpc.aio.Server:
+    """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on. A message over
+    `max_receive_bytes` is refused (RESOURCE_EXHAUSTED) before it is parsed."""
+    options = [o for o in SERVER_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+    options.append(("grpc.max_receive_message_length", max_receive_bytes))
+    return grpc.aio.server(
+        options=options, interceptors=list(interceptors) or None, maximum_concurrent_rpcs=max_concurrent_rpcs
+    )
 
 
-def add_health_and_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> health.aio.HealthServicer:
-    """Registers grpc.health.v1 (overall "" and per service) and reflection; all start SERVING."""
+def add_health_and_reflection(
+    server: grpc.aio.Server, service_names: Iterable[str], reflection_on: bool = True
+) -> health.aio.HealthServicer:
+    """Registers grpc.health.v1 (overall "" and per service), and reflection unless `reflection_on` is False;
+    all start SERVING."""
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     names = list(service_names)
-    reflection.enable_server_reflection(
-        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
-    )
+    if reflection_on:
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME], server
+        )
     return health_servicer
 
 

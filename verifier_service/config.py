@@ -32,7 +32,10 @@ class VerifierConfig:
             "does not pay); --no-adaptive-k always drafts num_speculative_tokens"
         },
     )
-    host: str = field(default="0.0.0.0", metadata={"help": "address to listen on"})
+    host: str = field(
+        default="127.0.0.1",
+        metadata={"help": "address to listen on (loopback by default: an internal service; 0.0.0.0 in a pod)"},
+    )
     port: int = field(default=50052, metadata={"help": "port to listen on (0: any free port)"})
     max_num_seqs: int = field(default=8, metadata={"help": "sequences in the running batch"})
     max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens fed per engine step"})

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 
 import grpc
@@ -25,6 +24,7 @@ from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
 from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
@@ -126,6 +126,13 @@ def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
     )
 
 
+def _acceptable_request_id(value: str) -> str:
+    try:
+        return check_request_id(value)
+    except InvalidRequestError:
+        return ""  # Generate refuses the request with the reason
+
+
 # ---- the servicer -------------------------------------------------------------------------------
 
 
@@ -152,10 +159,16 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
     async def Generate(  # type: ignore[override]
         self, request: verifier_pb2.VerifierGenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[verifier_pb2.VerifierGenerateResponse]:
-        request_id = request.request_id or f"verifier-{uuid.uuid4().hex[:16]}"
+        # The engine and the proposer key requests by our own id: two callers that send the same id must not
+        # collide. The caller's id, once checked, is kept beside it in logs and the span.
+        request_id = new_internal_id()
+        caller_id = _acceptable_request_id(request.request_id)
         started = time.monotonic()
-        traced = self.telemetry.request_started(request_id, request.session_id, len(request.prompt_token_ids))
+        traced = self.telemetry.request_started(
+            request_id, request.session_id, len(request.prompt_token_ids), caller_id
+        )
         try:
+            check_request_id(request.request_id)
             prompt, params, max_draft = request_to_domain(
                 request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
             )
@@ -168,9 +181,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         u = update.usage
                         self.telemetry.request_finished(traced, u, update.finish_reason)
                         log.info(
-                            "request finished request_id=%s reason=%s prompt_tokens=%d completion_tokens=%d "
-                            "drafted=%d accepted=%d steps=%d seconds=%.3f",
+                            "request finished request_id=%s caller_request_id=%s reason=%s prompt_tokens=%d "
+                            "completion_tokens=%d drafted=%d accepted=%d steps=%d seconds=%.3f",
                             request_id,
+                            caller_id,
                             update.finish_reason,
                             u.prompt_tokens,
                             u.completion_tokens,
@@ -181,7 +195,13 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                         )
         except (SpecdecError, TimeoutError) as err:
             code, message = grpc_status_for(err)
-            log.info("request rejected request_id=%s code=%s message=%s", request_id, code.name, message)
+            log.info(
+                "request rejected request_id=%s caller_request_id=%s code=%s message=%s",
+                request_id,
+                caller_id,
+                code.name,
+                message,
+            )
             self.telemetry.request_failed(traced, code, message)
             await context.abort(code, message)
         except Exception as err:  # an engine failure: INTERNAL, the other requests go on

@@ -234,16 +234,18 @@ class VerifierTelemetry:
 
     # ---- requests (event loop thread) --------------------------------------------------------------
 
-    def request_started(self, request_id: str, session_id: str, prompt_tokens: int) -> RequestTrace:
-        span = self.tracer.start_span(
-            "verifier.request",
-            kind=trace.SpanKind.INTERNAL,
-            attributes={
-                "specdec.request_id": request_id,
-                "specdec.session_id": session_id,
-                "specdec.prompt_tokens": prompt_tokens,
-            },
-        )
+    def request_started(
+        self, request_id: str, session_id: str, prompt_tokens: int, caller_request_id: str = ""
+    ) -> RequestTrace:
+        """`request_id`: the verifier's own (the engine's key); `caller_request_id`: the caller's (checked)."""
+        attributes: dict[str, str | int] = {
+            "specdec.request_id": request_id,
+            "specdec.session_id": session_id,
+            "specdec.prompt_tokens": prompt_tokens,
+        }
+        if caller_request_id:
+            attributes["specdec.caller_request_id"] = caller_request_id
+        span = self.tracer.start_span("verifier.request", kind=trace.SpanKind.INTERNAL, attributes=attributes)
         req = RequestTrace(request_id, span, time.perf_counter())
         if span.is_recording():
             with self._lock:

@@ -362,6 +362,8 @@ def build_stack(
                 str(gateway_port),
                 "--health-check-timeout-s",
                 "5",
+                "--expose-backends",  # the stack waits for healthy verifiers in GetStats
+                "--enable-reflection",  # grpcurl without proto files (test_grpcurl.py)
             ],
             log_dir / f"{name}-gateway.log",
             gateway_port,

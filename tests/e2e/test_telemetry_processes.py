@@ -123,7 +123,7 @@ def wait_for_request_trace(servicer: Receiver, request_id: str, timeout_s: float
         with servicer.lock:
             for _, span in servicer.spans:
                 attrs = {a.key: a.value.string_value for a in span.attributes}
-                if span.name == "gateway.request" and attrs.get("specdec.request_id") == request_id:
+                if span.name == "gateway.request" and attrs.get("specdec.client_request_id") == request_id:
                     return span.trace_id
         time.sleep(0.2)
     raise AssertionError(f"no gateway.request span for {request_id} reached the receiver")

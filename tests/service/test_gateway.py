@@ -164,7 +164,14 @@ class Harness:
         self.tokenizer = tokenizer
         self.fakes = fakes
         self.verifiers = tuple(f.address for f in fakes) + tuple(extra or ())
-        settings: dict[str, Any] = {"health_check_interval_s": 0.1, "health_check_timeout_s": 2.0, **config}
+        # Backend details in GetStats and reflection are off by default (tests of the defaults say so); on here.
+        settings: dict[str, Any] = {
+            "health_check_interval_s": 0.1,
+            "health_check_timeout_s": 2.0,
+            "expose_backends": True,
+            "enable_reflection": True,
+            **config,
+        }
         self.config = GatewayConfig(verifiers=self.verifiers, host="127.0.0.1", port=0, drain_timeout_s=0.5, **settings)
         self.gateway: RunningGateway
         self.channel: grpc.aio.Channel
@@ -243,7 +250,8 @@ def test_streams_utf8_safe_text_one_token_at_a_time(tokenizer):
             # The verifier gets token ids, every sampling field explicitly, and the defaults resolved.
             req = fs.fake.requests[0]
             assert list(req.prompt_token_ids) == prompt_ids
-            assert req.request_id == "r1" and req.max_tokens == MAX_MODEL_LEN  # default 128, clamped
+            # The verifier gets the gateway's own id, never the client's (two clients may both send "r1").
+            assert req.request_id not in ("", "r1") and req.max_tokens == MAX_MODEL_LEN  # default 128, clamped
             sp = req.sampling_params
             assert sp.HasField("top_k") and sp.HasField("min_p") and sp.seed == 7
             assert sp.temperature == pytest.approx(0.5) and sp.top_p == pytest.approx(0.9)

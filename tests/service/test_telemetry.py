@@ -144,12 +144,16 @@ def check_trace(stack: Stack, spans: list[ReadableSpan], responses: list[gateway
     names = Counter(s.name for s in spans)
     assert names["/specdec.v1.Gateway/Generate"] == 1 and names["/specdec.v1.Verifier/Generate"] == 2  # client, server
     gateway_span, verifier_span = by_name(spans, "gateway.request")[0], by_name(spans, "verifier.request")[0]
-    assert gateway_span.attributes["specdec.request_id"] == "traced-1"
+    # Each service keys the request by its own id; the caller's is recorded beside it.
+    assert gateway_span.attributes["specdec.client_request_id"] == "traced-1"
+    gateway_id = gateway_span.attributes["specdec.request_id"]
+    assert gateway_id not in ("", "traced-1")
     assert gateway_span.attributes["specdec.session_id"] == "s-1"
     assert gateway_span.attributes["specdec.finish_reason"] == "FINISH_REASON_LENGTH"
     assert gateway_span.attributes["specdec.prompt_tokens"] == 5
     assert gateway_span.attributes["specdec.completion_tokens"] == 12
-    assert verifier_span.attributes["specdec.request_id"] == "traced-1"
+    assert verifier_span.attributes["specdec.caller_request_id"] == gateway_id
+    assert verifier_span.attributes["specdec.request_id"] not in ("", gateway_id)
     assert verifier_span.attributes["specdec.completion_tokens"] == 12
     # The verifier's request span descends from the gateway's through gRPC metadata.
     parents = {s.context.span_id: s.parent.span_id if s.parent else None for s in spans}

@@ -346,7 +346,8 @@ BAD_REQUESTS = [
     (request([1, VOCAB], 5), "vocabulary"),
     (request([-1, 2], 5), "vocabulary"),
     (request([1, 2], 5, stop_token_ids=[VOCAB + 1]), "stop_token_ids"),
-    (request([1, 2], 5, request_id="long"), "already running"),
+    (request([1, 2], 5, request_id="x" * 129), "limit is 128"),
+    (request([1, 2], 5, request_id="a\nlevel=ERROR forged=1"), "only letters"),
 ]
 
 
@@ -363,11 +364,14 @@ def test_bad_input_is_invalid_argument_and_does_not_disturb_a_running_request():
                         await collect(stub, bad)
                     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, words
                     assert words in (err.value.details() or ""), err.value.details()
+                # The caller's id is not the engine's key: a second request with the same id is no collision.
+                same_id, _ = await collect(stub, request(PROMPTS[0], 6, request_id="long"))
+                assert same_id == reference(tuple(PROMPTS[0]), 6)
                 for msg in await rest(long):
                     tokens += msg.token_ids
                 assert tokens == reference(tuple(PROMPTS[1]), 40)
                 s = await stats(stub)
-                assert s.kv_blocks_free == s.kv_blocks_total and s.finished_requests == 1
+                assert s.kv_blocks_free == s.kv_blocks_total and s.finished_requests == 2
         finally:
             await verifier.shutdown(0.5)
 
