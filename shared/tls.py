@@ -263,20 +263,21 @@ def check_files_or_exit(config: TLSConfig, role: str) -> None:
 
 
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
-    """--tls and the --tls-* files of a command-line client; defaults from the SPECDEC_TLS_* variables, so a
-    probe run inside a service's container (an exec probe) uses that service's own files."""
-    env = os.environ.get
-    parser.add_argument("--tls", action="store_true", help="use TLS (also implied by any --tls-* file)")
+    """--tls and the --tls-* files of a command-line client. The files default to the SPECDEC_TLS_* variables, so
+    a probe run inside a service's container (an exec probe) presents that service's certificate; the server
+    name does not (a service's SPECDEC_TLS_SERVER_NAME names its upstream, not itself)."""
+    parser.add_argument("--tls", action="store_true", help="use TLS (also implied by --tls-ca-file, --tls-cert-file)")
     for name, what in (
         ("ca_file", "PEM CA bundle to verify the server against (default: the system's roots)"),
         ("cert_file", "PEM client certificate, for servers that require one (mutual TLS)"),
         ("key_file", "PEM private key of --tls-cert-file"),
-        ("server_name", "name the server's certificate must carry when the address does not"),
     ):
         variable = f"SPECDEC_TLS_{name.upper()}"
-        parser.add_argument(
-            f"--tls-{name.replace('_', '-')}", default=env(variable, ""), help=f"{what} (env {variable})"
-        )
+        flag = f"--tls-{name.replace('_', '-')}"
+        parser.add_argument(flag, default=os.environ.get(variable, ""), help=f"{what} (env {variable})")
+    parser.add_argument(
+        "--tls-server-name", default="", help="name the server's certificate must carry when the address does not"
+    )
 
 
 def client_from_arguments(args: argparse.Namespace) -> ClientTLS | None:
