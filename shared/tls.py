@@ -71,9 +71,10 @@ class TLSConfig:
 
     @property
     def require_client_cert(self) -> bool:
+        """Whether this service's server refuses clients without a certificate from the CA."""
         if self.tls_require_client_cert is not None:
             return self.tls_require_client_cert
-        return bool(self.tls_ca_file) and self.REQUIRE_CLIENT_CERT_WITH_CA
+        return bool(self.tls_cert_file and self.tls_ca_file) and self.REQUIRE_CLIENT_CERT_WITH_CA
 
     def client_tls(self, server_name: str = "") -> ClientTLS | None:
         """The settings of this service's channels to the others: None (plaintext) without a CA file."""

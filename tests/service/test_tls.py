@@ -13,6 +13,8 @@ import grpc
 import pytest
 import trustme
 
+from gateway import client as cli
+from gateway import health_probe
 from gateway.config import GatewayConfig
 from gateway.server import start_gateway
 from proposer_service.ngram import NgramDrafter
@@ -213,6 +215,10 @@ def test_gateway_server_only_tls_in_front_of_mutual_tls(pki):
                     gateway_pb2.CompleteRequest(prompt_token_ids=prompt, max_tokens=8, temperature=0), timeout=30
                 )
             assert list(reply.token_ids) == reference(tuple(prompt), 8)
+            # The CLI over TLS (a blocking client: in a thread, beside this event loop).
+            files = ["--tls-ca-file", str(pki["client"].dir / "ca.crt"), "--tls-server-name", SERVER_NAME]
+            argv = ["--address", gateway.address, "--prompt-token-ids", "5,9,2", "--max-tokens", "3", "--json", *files]
+            assert await asyncio.to_thread(cli.run, cli.build_parser().parse_args(argv)) == 0
             async with aio_channel(gateway.address, None) as channel:
                 await refused(
                     gateway_pb2_grpc.GatewayStub(channel).Complete(
@@ -280,6 +286,28 @@ def test_a_half_rotated_secret_keeps_the_previous_certificate(pki, tmp_path):
             trustme.CA().issue_cert(SERVER_NAME).private_key_pem.write_to_path(str(identity.dir / "tls.key"))
             assert await asyncio.to_thread(peer_certificate, proposer.port, pki["client"]) == before
             assert (await get_info(proposer.port, pki["client"].client())).kind
+        finally:
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
+def test_health_probe_over_mutual_tls(pki, monkeypatch):
+    async def body():
+        proposer = await start_proposer(pki["proposer"])
+        address = f"127.0.0.1:{proposer.port}"
+        try:
+            # Inside a service's container the probe takes the files from SPECDEC_TLS_* (an exec probe).
+            for name, path in pki["client"].files.items():
+                monkeypatch.setenv(f"SPECDEC_{name.upper()}", path)
+            argv = [address, "--service", "specdec.v1.Proposer", "--tls-server-name", SERVER_NAME]
+            assert await asyncio.to_thread(health_probe.main, argv) == 0
+            no_cert = [address, "--tls-server-name", SERVER_NAME, "--tls-cert-file", "", "--tls-key-file", ""]
+            assert await asyncio.to_thread(health_probe.main, no_cert) == 1  # refused: no client certificate
+            monkeypatch.delenv("SPECDEC_TLS_CA_FILE")
+            monkeypatch.delenv("SPECDEC_TLS_CERT_FILE")
+            monkeypatch.delenv("SPECDEC_TLS_KEY_FILE")
+            assert await asyncio.to_thread(health_probe.main, [address]) == 1  # plaintext to a TLS port
         finally:
             await proposer.shutdown(0.1)
 

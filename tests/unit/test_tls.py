@@ -75,6 +75,7 @@ def test_client_certificates_are_required_with_a_ca_inside_and_asked_for_on_the_
     assert not GatewayConfig(**tls).require_client_cert
     assert GatewayConfig(**tls, tls_require_client_cert=True).require_client_cert
     assert not ProposerConfig(tls_cert_file="c", tls_key_file="k").require_client_cert  # no CA: server-only TLS
+    assert not VerifierConfig(tls_ca_file="ca").require_client_cert  # a plaintext server, TLS to the proposer only
 
 
 def test_the_ca_turns_on_tls_for_the_channels_to_the_other_services():
