@@ -25,6 +25,7 @@ from gateway.discovery import DnsDiscovery, Resolver, resolve_addresses
 from gateway.router import BackendLoad, Router
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
+from shared.tls import aio_channel
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,9 @@ BACKEND_CHANNEL_OPTIONS = [
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
 ]
+# After a client-certificate rotation a backend gets a new channel; calls running on the old one may go on
+# this long before the old channel is closed.
+RENEWED_CHANNEL_GRACE_S = 3600.0
 
 
 @dataclass
@@ -45,6 +49,7 @@ class Backend:
     health: health_pb2_grpc.HealthStub
     engine: common_pb2.EngineStats | None = None
     model: str = ""
+    tls_signature: object = None  # the TLS files' stat when the channel was opened
 
     @property
     def address(self) -> str:
@@ -64,6 +69,8 @@ class BackendPool:
         """`interceptors`: the tracing ones of shared/telemetry.py when tracing is on."""
         self.config = config
         self.interceptors = list(interceptors) or None
+        self.tls = config.client_tls(config.tls_server_name)  # None: plaintext to the verifiers
+        self._old_channels: dict[asyncio.Task[None], grpc.aio.Channel] = {}  # closing after a renewal
         static = () if config.verifier_dns else config.verifiers
         self.router = router or Router.for_addresses(static)
         self.backends: dict[str, Backend] = {address: self._connect(address) for address in static}
@@ -81,13 +88,38 @@ class BackendPool:
         self.on_change: Callable[[int], None] | None = None
 
     def _connect(self, address: str) -> Backend:
-        channel = grpc.aio.insecure_channel(address, options=BACKEND_CHANNEL_OPTIONS, interceptors=self.interceptors)
+        signature, channel = self._channel(address)
         return Backend(
             load=self.router.add(address),
             channel=channel,
             stub=verifier_pb2_grpc.VerifierStub(channel),
             health=health_pb2_grpc.HealthStub(channel),
+            tls_signature=signature,
         )
+
+    def _channel(self, address: str) -> tuple[object, grpc.aio.Channel]:
+        """Reads the TLS files now: the channel's connections present the client certificate read here."""
+        signature = self.tls.signature() if self.tls is not None else None
+        return signature, aio_channel(address, self.tls, BACKEND_CHANNEL_OPTIONS, self.interceptors)
+
+    def _renew_channel_if_rotated(self, backend: Backend) -> None:
+        """A rotated client certificate (or CA) gets a new channel: gRPC channel credentials are fixed at
+        creation. New calls use the new channel; running ones finish on the old one."""
+        if self.tls is None or self.tls.signature() == backend.tls_signature:
+            return
+        try:
+            signature, channel = self._channel(backend.address)
+        except ValueError as err:  # a rotation half done: keep the old channel, try again next check
+            log.warning("event=tls_reload_failed backend=%s error=%s", backend.address, err)
+            return
+        old = backend.channel
+        backend.channel, backend.tls_signature = channel, signature
+        backend.stub = verifier_pb2_grpc.VerifierStub(channel)
+        backend.health = health_pb2_grpc.HealthStub(channel)
+        log.info("event=tls_channel_renewed backend=%s", backend.address)
+        task = asyncio.get_running_loop().create_task(old.close(RENEWED_CHANNEL_GRACE_S))
+        self._old_channels[task] = old
+        task.add_done_callback(lambda t: self._old_channels.pop(t, None))
 
     async def start(self) -> None:
         """One round of checks right away (so a fresh gateway routes at once), then periodic ones."""
@@ -136,7 +168,10 @@ class BackendPool:
                 await task
         self._tasks = {}
         await _cancel(self._recheck)
-        channels = [b.channel for b in [*self.backends.values(), *self._retiring]]
+        old_channels = list(self._old_channels.values())
+        for task in list(self._old_channels):
+            await _cancel(task)
+        channels = [*old_channels, *(b.channel for b in [*self.backends.values(), *self._retiring])]
         await asyncio.gather(*(channel.close() for channel in channels))
 
     def __getitem__(self, address: str) -> Backend:
@@ -145,6 +180,7 @@ class BackendPool:
     async def _loop(self, backend: Backend) -> None:
         while True:
             await asyncio.sleep(self.config.health_check_interval_s)
+            self._renew_channel_if_rotated(backend)
             await self.check(backend)
 
     async def check(self, backend: Backend) -> None:

@@ -37,6 +37,7 @@ from typing import Any
 import grpc
 
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from shared.tls import add_client_arguments, client_from_arguments, sync_channel
 
 DEFAULT_ADDRESS = os.environ.get("SPECDEC_GATEWAY_ADDRESS", "127.0.0.1:50051")
 USAGE_FIELDS = (
@@ -84,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.add_argument("--json", action="store_true", help="machine-readable output: one JSON object per line")
     p.add_argument("--quiet", action="store_true", help="no statistics on stderr")
+    add_client_arguments(p)
     return p
 
 
@@ -173,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
     final: Any = None
     started = time.monotonic()
     ttft: float | None = None
-    with grpc.insecure_channel(args.address) as channel:
+    with sync_channel(args.address, client_from_arguments(args)) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
         try:
             for resp in _responses(stub, req, args):

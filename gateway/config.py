@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from shared.config import load_config
+from shared.tls import TLSConfig
 
 
 def _help(text: str) -> dict[str, str]:
@@ -13,7 +15,7 @@ def _help(text: str) -> dict[str, str]:
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(TLSConfig):
     """specdec gateway: the public Generate/Complete API in front of one or more verifiers."""
 
     verifiers: tuple[str, ...] = field(
@@ -94,8 +96,19 @@ class GatewayConfig:
         default=0, metadata=_help("Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables")
     )
     log_level: str = field(default="INFO", metadata=_help("log level"))
+    tls_server_name: str = field(
+        default="",
+        metadata=_help(
+            "name the verifiers' certificates must carry when their address does not (pod IPs from "
+            "--verifier-dns); TLS to the verifiers is on when --tls-ca-file is set"
+        ),
+    )
+
+    # The public port asks for no client certificate unless --tls-require-client-cert (shared/tls.py).
+    REQUIRE_CLIENT_CERT_WITH_CA: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if not self.verifiers:
             raise ValueError("--verifiers needs at least one HOST:PORT")
         for address in self.verifiers:

@@ -36,6 +36,7 @@ from shared.grpc_server import (
 from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.telemetry import Telemetry, setup_telemetry
+from shared.tls import add_port, check_files_or_exit
 
 log = logging.getLogger(__name__)
 
@@ -114,7 +115,7 @@ async def start_gateway(
     server = new_server(telemetry.server_interceptors(), config.max_request_bytes, config.max_concurrent_rpcs)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME], reflection_on=config.enable_reflection)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    port = add_port(server, config.host, config.port, config, "gateway")
     if port == 0:
         telemetry.shutdown()
         raise OSError(f"could not listen on {config.host}:{config.port}")
@@ -161,6 +162,7 @@ async def serve(config: GatewayConfig) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     config = load_gateway_config(argv)
     setup_logging(config.log_level)
+    check_files_or_exit(config, "gateway")
     tune_malloc()
     asyncio.run(serve(config))
 

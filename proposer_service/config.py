@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.tls import TLSConfig
+
 KINDS = ("draft-model", "ngram", "eagle")
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
-class ProposerConfig:
+class ProposerConfig(TLSConfig):
     """specdec proposer: drafts tokens for a verifier over one bidi gRPC stream per verifier."""
 
     model: str = field(
@@ -72,6 +74,7 @@ class ProposerConfig:
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.kind not in KINDS:
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.tensor_parallel_size < 1:

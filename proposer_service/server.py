@@ -33,6 +33,7 @@ from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
+from shared.tls import add_port, check_files_or_exit
 
 log = logging.getLogger("specdec.proposer")
 
@@ -408,7 +409,7 @@ class ProposerServer(ServiceRuntime):
         server = new_server(telemetry.server_interceptors())
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(server, config.host, config.port, config, "proposer")
         tp_runner = _tp_runner(drafter)
         if not port:
             if tp_runner is not None:
@@ -466,6 +467,7 @@ async def serve(config: ProposerConfig, on_ready: Callable[[ProposerServer], Non
 def main(argv: list[str] | None = None) -> None:
     config = load_config(ProposerConfig, argv)
     setup_logging(config.log_level)
+    check_files_or_exit(config, "proposer")
     tune_malloc()
     asyncio.run(serve(config))
 

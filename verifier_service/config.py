@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.tls import TLSConfig
+
 DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
-class VerifierConfig:
+class VerifierConfig(TLSConfig):
     """specdec verifier: owns the target model and its paged KV cache, verifies drafts from a proposer."""
 
     model: str = field(
@@ -81,8 +83,16 @@ class VerifierConfig:
         default=0, metadata={"help": "Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables"}
     )
     log_level: str = field(default="INFO", metadata={"help": "DEBUG, INFO, WARNING or ERROR"})
+    tls_server_name: str = field(
+        default="",
+        metadata={
+            "help": "name the proposer's certificate must carry when its address does not; TLS to the "
+            "proposer is on when --tls-ca-file is set"
+        },
+    )
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:

@@ -30,6 +30,7 @@ from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.telemetry import inject_context
+from shared.tls import ClientTLS, aio_channel
 
 log = logging.getLogger("specdec.verifier.proposer")
 
@@ -117,6 +118,7 @@ class RemoteProposer:
         timeout_s: float = 2.0,
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
+        tls: ClientTLS | None = None,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
@@ -130,6 +132,7 @@ class RemoteProposer:
         self.timeout_s = timeout_s
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
+        self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -202,7 +205,7 @@ class RemoteProposer:
     async def _connect_and_hold(self, address: str) -> float | None:
         """Open a channel and the stream; return (after it is lost) when it was established, if it was."""
         assert self._lost is not None
-        channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        channel = aio_channel(address, self.tls, CHANNEL_OPTIONS)
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)

@@ -28,6 +28,7 @@ from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
+from shared.tls import add_port, check_files_or_exit
 from verifier_service.config import VerifierConfig
 from verifier_service.engine_loop import EngineLoop, StatsSnapshot, Update
 from verifier_service.remote_proposer import RemoteProposer
@@ -303,6 +304,7 @@ class VerifierServer(ServiceRuntime):
                 tokenizer_fingerprint=fingerprint,
                 timeout_s=config.proposer_timeout_ms / 1000,
                 reconnect_max_s=config.proposer_reconnect_max_s,
+                tls=config.client_tls(config.tls_server_name),
             )
             await proposer.start()
         engine_config = EngineConfig(
@@ -351,7 +353,7 @@ class VerifierServer(ServiceRuntime):
         server = new_server(telemetry.server_interceptors())
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
-        port = server.add_insecure_port(f"{config.host}:{config.port}")
+        port = add_port(server, config.host, config.port, config, "verifier")
         if not port:
             if isinstance(engine.runner, TPModelRunner):
                 await asyncio.to_thread(engine.runner.close)
@@ -420,6 +422,7 @@ async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], Non
 def main(argv: list[str] | None = None) -> None:
     config = load_config(VerifierConfig, argv)
     setup_logging(config.log_level)
+    check_files_or_exit(config, "verifier")
     tune_malloc()
     asyncio.run(serve(config))
 

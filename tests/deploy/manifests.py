@@ -101,6 +101,19 @@ def grpc_probes(ctr: Doc) -> Iterator[tuple[str, Doc]]:
             yield kind, ctr[kind]
 
 
+def probe_target(probe: Doc) -> tuple[int, str]:
+    """(port, health service) a probe asks: a native gRPC probe, or the exec probe of the tls component
+    (`python -m gateway.health_probe 127.0.0.1:PORT [--service NAME] ...`)."""
+    if "grpc" in probe:
+        return probe["grpc"]["port"], probe["grpc"].get("service", "")
+    command = probe["exec"]["command"]
+    assert command[:3] == ["python", "-m", "gateway.health_probe"], command
+    host, port = command[3].rsplit(":", 1)
+    assert host == "127.0.0.1"
+    service = command[command.index("--service") + 1] if "--service" in command else ""
+    return int(port), service
+
+
 class patched_environ:
     """os.environ with every SPECDEC_* variable replaced by `env` (load_config reads os.environ)."""
 

@@ -36,6 +36,7 @@ from tests.deploy.manifests import (
     of_kind,
     patched_environ,
     pod_labels,
+    probe_target,
     render,
     selects,
 )
@@ -69,7 +70,7 @@ def service_config(docs: tuple[dict, ...], component: str) -> Any:
 
 
 def test_the_overlays_are_the_documented_ones():
-    assert OVERLAYS == ["cpu", "gpu", "gpu-tracing"]
+    assert OVERLAYS == ["cpu", "cpu-tls", "gpu", "gpu-tracing"]
     docs = (REPO / "docs" / "deploy.md").read_text()
     for overlay in OVERLAYS:
         assert f"overlays/{overlay}" in docs
@@ -107,12 +108,15 @@ def test_ports_and_grpc_probes_match_the_server(overlay, component):
     assert port["name"] == "grpc" and port["containerPort"] == config.port
     probes = dict(grpc_probes(ctr))
     assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}
-    for probe in probes.values():
-        assert probe["grpc"]["port"] == config.port  # native gRPC probes (grpc.health.v1)
+    targets = {kind: probe_target(probe) for kind, probe in probes.items()}
+    for kind, probe in probes.items():
+        assert targets[kind][0] == config.port  # grpc.health.v1 on the service's port
+        # Native gRPC probes speak no TLS: a TLS port is probed by gateway/health_probe.py (exec).
+        assert ("exec" in probe) == bool(config.tls_cert_file)
     # Readiness asks for the service's own status (the gateway's means "a verifier is healthy"); liveness
     # asks for the overall status "".
-    assert probes["readinessProbe"]["grpc"]["service"] == HEALTH_SERVICES[component]
-    assert probes["livenessProbe"]["grpc"].get("service", "") == ""
+    assert targets["readinessProbe"][1] == HEALTH_SERVICES[component]
+    assert targets["livenessProbe"][1] == ""
     services = [s for s in of_kind(docs, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels(dep))]
     assert services, f"no Service selects the {component} pods"
     for svc in services:
@@ -308,3 +312,54 @@ def test_policy_skips_are_justified_in_the_docs():
     ignored = yaml.safe_load((REPO / "deploy" / "docker" / "hadolint.yaml").read_text())["ignored"]
     for check in [*skipped, *ignored]:
         assert check in docs, f"{check} is skipped but not justified in docs/deploy.md"
+
+
+def certificate_for(docs: tuple[dict, ...], secret: str) -> dict:
+    (cert,) = [c for c in of_kind(docs, "Certificate") if c["spec"]["secretName"] == secret]
+    return cert
+
+
+def test_tls_component_internal_ca_certificates_mounts_and_settings():
+    docs = render("cpu-tls")
+    # self-signed Issuer -> CA Certificate -> CA Issuer -> one Certificate per service
+    ca_cert = named(docs, "Certificate", "specdec-ca")
+    assert ca_cert["spec"]["isCA"] is True
+    assert "selfSigned" in named(docs, "Issuer", ca_cert["spec"]["issuerRef"]["name"])["spec"]
+    ca_issuer = named(docs, "Issuer", "specdec-ca")
+    assert ca_issuer["spec"]["ca"]["secretName"] == ca_cert["spec"]["secretName"]
+    configs = {c: service_config(docs, c) for c in SERVICES}
+    for component in SERVICES:
+        dep = deployment(docs, component)
+        spec, ctr, config = dep["spec"]["template"]["spec"], container(dep), configs[component]
+        (volume,) = [v for v in spec["volumes"] if "secret" in v]
+        cert = certificate_for(docs, volume["secret"]["secretName"])
+        assert cert["spec"]["issuerRef"]["name"] == "specdec-ca"
+        assert {"server auth", "client auth"} <= set(cert["spec"]["usages"])
+        assert "localhost" in cert["spec"]["dnsNames"]  # the exec probes' --tls-server-name
+        for probe in dict(grpc_probes(ctr)).values():
+            command = probe["exec"]["command"]
+            assert command[command.index("--tls-server-name") + 1] == "localhost"
+        # The whole Secret read-only (no subPath: a subPath mount never sees a renewal), where the config reads.
+        (mount,) = [m for m in ctr["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount["readOnly"] is True and "subPath" not in mount
+        for name, file in (("cert", "tls.crt"), ("key", "tls.key"), ("ca", "ca.crt")):
+            assert getattr(config, f"tls_{name}_file") == f"{mount['mountPath']}/{file}"
+        assert config.require_client_cert is (component != "gateway")  # mutual TLS inside; public gateway
+    # Each client can verify the server it dials: the verifiers by the headless name (pod IPs from DNS), the
+    # proposer by its Service name.
+    gateway, verifier = configs["gateway"], configs["verifier"]
+    assert gateway.client_tls(gateway.tls_server_name) is not None
+    assert gateway.tls_server_name in certificate_for(docs, "specdec-verifier-tls")["spec"]["dnsNames"]
+    (proposer_address,) = verifier.proposer
+    assert verifier.client_tls(verifier.tls_server_name) is not None and not verifier.tls_server_name
+    assert proposer_address.rsplit(":", 1)[0] in certificate_for(docs, "specdec-proposer-tls")["spec"]["dnsNames"]
+    for svc in of_kind(docs, "Service"):
+        if svc["metadata"]["name"] in ("specdec-gateway", "specdec-verifier-headless", "specdec-proposer"):
+            assert svc["spec"]["ports"][0]["appProtocol"] == "https"  # TLS, no longer cleartext h2c
+
+
+def test_overlays_without_the_tls_component_stay_plaintext():
+    for overlay in ("cpu", "gpu", "gpu-tracing"):
+        docs = render(overlay)
+        assert not of_kind(docs, "Certificate")
+        assert not any(service_config(docs, c).tls_cert_file for c in SERVICES)
