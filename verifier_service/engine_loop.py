@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from shared.errors import NumericalError, UnavailableError
@@ -110,11 +110,30 @@ class EngineLoop:
         self._task: asyncio.Task | None = None
         self.finished_requests = 0
         self.aborted_requests = 0
+        self.dead: BaseException | None = None  # set when the loop itself died
+        # Called once if the loop itself dies (a failing step is not that: it fails its requests and the loop
+        # goes on). Its requests have failed with UNAVAILABLE by then and new ones are refused.
+        self.on_dead: Callable[[BaseException], None] | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="engine-loop")
+        self._task = asyncio.create_task(self._supervised(), name="engine-loop")
+
+    async def _supervised(self) -> None:
+        try:
+            await self._run()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as err:  # a bug outside engine.step: nothing would step again, every stream hangs
+            log.critical(
+                "the engine loop died; failing %d requests with UNAVAILABLE", len(self._requests), exc_info=err
+            )
+            self.dead = err
+            self._accepting = False
+            self._fail_all(UnavailableError("this verifier's engine loop stopped; retry on another verifier"))
+            if self.on_dead is not None:
+                self.on_dead(err)
 
     def stop_accepting(self) -> None:
         """New requests get UnavailableError from now on; running ones continue."""
@@ -128,13 +147,12 @@ class EngineLoop:
         except TimeoutError:
             return False
 
-    async def abort_all(self) -> int:
-        """End every request now with FinishReason.ABORT (their output so far stays valid)."""
+    async def hand_over_all(self, message: str) -> int:
+        """End every request now with UnavailableError(message): their output so far stays valid and the
+        caller (the gateway) resumes them elsewhere. An ABORT finish instead would read as the answer's end."""
         async with self._lock:
             ids = list(self._requests)
-            for request_id in ids:
-                self.engine.abort(request_id)
-                self._finish_tracked(request_id, FinishReason.ABORT)
+            self._fail_all(UnavailableError(message))
         return len(ids)
 
     async def stop(self) -> None:
@@ -160,6 +178,8 @@ class EngineLoop:
     ) -> AsyncGenerator[Update, None]:
         """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
         update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
+        if self.dead is not None:
+            raise UnavailableError("this verifier's engine loop stopped; retry on another verifier")
         if not self._accepting or self._stopping:
             raise UnavailableError("the verifier is shutting down; retry on another verifier")
         tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
@@ -254,14 +274,6 @@ class EngineLoop:
                     self.aborted_requests += 1
                 else:
                     self.finished_requests += 1
-        self._update_idle()
-
-    def _finish_tracked(self, request_id: str, reason: FinishReason) -> None:
-        tracked = self._requests.pop(request_id, None)
-        if tracked is None:
-            return
-        tracked.queue.put_nowait(Update(request_id, [], reason, dataclasses.replace(tracked.usage)))
-        self.aborted_requests += 1
         self._update_idle()
 
     def _fail_all(self, err: Exception) -> None:

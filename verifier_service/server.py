@@ -378,7 +378,13 @@ class VerifierServer(ServiceRuntime):
         instance = cls(config, server, servicer, health, port, loop, proposer)
         instance.telemetry = telemetry
         instance.watch_rank_failures()
+        loop.on_dead = instance._engine_loop_died
         return instance
+
+    def _engine_loop_died(self, err: BaseException) -> None:
+        """NOT_SERVING, so that gateways and Kubernetes stop sending requests here (the process stays up for
+        its logs and /metrics; the liveness probe, which checks the same health, restarts it)."""
+        self._dying = asyncio.get_running_loop().create_task(set_serving(self.health, [SERVICE_NAME], False))
 
     @property
     def tp_runner(self) -> TPModelRunner | None:
@@ -396,16 +402,17 @@ class VerifierServer(ServiceRuntime):
         self.failed.set()
 
     async def shutdown(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING; refuse new requests; let running ones finish within grace_s; abort the rest (they end
-        with FINISH_REASON_ABORT); stop the server and the engine loop."""
+        """NOT_SERVING; refuse new requests; let running ones finish within grace_s; end the rest with
+        UNAVAILABLE (the gateway resumes them on another verifier: a rolling restart cuts no answer short);
+        stop the server and the engine loop."""
         grace = self.config.grace_period_s if grace_s is None else grace_s
         log.info("verifier shutting down grace_s=%.1f requests=%d", grace, self.loop.num_requests)
         await set_serving(self.health, [SERVICE_NAME], False)
         self.loop.stop_accepting()
         if not await self.loop.drain(grace):
-            aborted = await self.loop.abort_all()
-            log.warning("grace period over: aborted %d requests", aborted)
-        await self.server.stop(1.0)  # the final messages of aborted requests flush first
+            handed = await self.loop.hand_over_all("the verifier is shutting down; resume on another verifier")
+            log.warning("grace period over: %d requests end with UNAVAILABLE, to resume elsewhere", handed)
+        await self.server.stop(1.0)  # their statuses flush first
         await self.loop.stop()
         if self.proposer is not None:
             await self.proposer.close()

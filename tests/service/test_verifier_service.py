@@ -430,11 +430,52 @@ def test_shutdown_drains_then_aborts_and_refuses_new_requests():
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE
             short_msgs = await rest(short)
             assert short_msgs[-1].finish_reason == G.FINISH_REASON_LENGTH  # finished within the grace period
-            long_msgs = await rest(long)
-            assert long_msgs[-1].finish_reason == G.FINISH_REASON_ABORT  # aborted after it
-            produced = [t for m in long_msgs for t in m.token_ids]
-            assert long_msgs[-1].usage.completion_tokens == len(produced) + 1  # + the first message's token
+            # Past the grace period: UNAVAILABLE, which the gateway resumes elsewhere (an ABORT finish would
+            # end the client's answer there), after the tokens streamed so far.
+            produced = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                while (msg := await long.read()) is not grpc.aio.EOF:
+                    assert msg.finish_reason == G.FINISH_REASON_UNSPECIFIED
+                    produced += msg.token_ids
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "resume" in (err.value.details() or "")
+            assert produced  # it was still streaming when the grace period ran out
             await shutdown
+
+    run(body())
+
+
+def test_a_dead_engine_loop_fails_its_requests_unavailable_and_stops_serving():
+    """A bug outside engine.step (here: in dispatching a step's outputs) must not leave streams hanging behind
+    a SERVING health status."""
+
+    async def body():
+        verifier = await start_verifier(step_delay_s=0.01)
+        loop = verifier.loop
+
+        def broken_dispatch(outputs):
+            raise RuntimeError("a bug in dispatch")
+
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            health = health_pb2_grpc.HealthStub(channel)
+            running = stub.Generate(request(PROMPTS[0], 100), timeout=30)
+            await running.read()
+            loop._dispatch = broken_dispatch  # type: ignore[method-assign]
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await rest(running)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            for _ in range(100):
+                if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                    break
+                await asyncio.sleep(0.02)
+                status = (await health.Check(health_pb2.HealthCheckRequest())).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(stub, request(PROMPTS[1], 3))
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+            assert (await stats(stub)).kv_blocks_free == (await stats(stub)).kv_blocks_total
+        await verifier.shutdown(0.2)
 
     run(body())
 
