@@ -212,6 +212,7 @@ class BackendPool:
         backend.load.engine_queue = stats.stats.running_requests + stats.stats.waiting_requests
         backend.load.max_model_len = stats.max_model_len or None
         backend.load.vocab_size = stats.vocab_size or None
+        backend.load.eos_token_ids = frozenset(stats.eos_token_ids)
 
     async def recheck_unhealthy(self) -> None:
         """Checks every backend marked down right now (a request found none healthy). Concurrent callers

@@ -50,6 +50,7 @@ class BackendLoad:
     engine_queue: int = 0  # running + waiting from the last stats poll
     max_model_len: int | None = None  # from Verifier.GetStats, once polled
     vocab_size: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # every id the verifier stops on, once polled
 
 
 @dataclass
@@ -98,6 +99,10 @@ class Router:
         """Smallest known context length over the healthy verifiers (None before any stats poll)."""
         known = [b.max_model_len for b in self.healthy() if b.max_model_len]
         return min(known) if known else None
+
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id any verifier reported (they serve one model; a failed one counts too)."""
+        return frozenset().union(*(b.eos_token_ids for b in self.backends.values()))
 
     def vocab_limit(self) -> int | None:
         known = [b.vocab_size for b in self.healthy() if b.vocab_size]

@@ -373,8 +373,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         if not emitted:
             return None
         last = emitted[-1]
-        eos = self.frontend.eos_token_id
-        if last in prepared.stop_token_ids or (last == eos and not prepared.ignore_eos):
+        # The verifier stops on all of the model's EOS ids, not only the tokenizer's one.
+        eos = self.router.eos_token_ids() | {self.frontend.eos_token_id}
+        if last in prepared.stop_token_ids or (last in eos and not prepared.ignore_eos):
             return Final(FINISH_STOP, common_pb2.Usage(), stop_token_id=last)
         if len(emitted) >= prepared.max_tokens:
             return Final(FINISH_LENGTH, common_pb2.Usage())

@@ -222,6 +222,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             max_model_len=self.max_model_len,
             vocab_size=self.vocab_size,
             tensor_parallel_size=self.tensor_parallel_size,
+            eos_token_ids=sorted(self.loop.engine.eos_token_ids),
         )
 
 

@@ -70,6 +70,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     active: int = 0
     time_remaining: list[float | None] = field(default_factory=list)
+    eos_token_ids: tuple[int, ...] = ()  # reported in GetStats
 
     def chunks(self, request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
         if self.script is not None:
@@ -127,6 +128,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
             model="fake",
             max_model_len=MAX_MODEL_LEN,
             vocab_size=49152,
+            eos_token_ids=self.eos_token_ids,
         )
 
 
@@ -591,6 +593,29 @@ def test_verifier_dying_after_the_last_token_needs_no_resume(tokenizer):
             assert got_ids == [*ids, eos] and text == "All done."
             assert responses[-1].finish_reason == STOP and responses[-1].stop_token_id == eos
             assert responses[-1].usage.completion_tokens == len(ids) + 1
+
+    run(scenario())
+
+
+def test_any_of_the_verifiers_eos_ids_ends_a_request_whose_verifier_died(tokenizer):
+    """The model stops on more ids than the tokenizer's EOS (e.g. <|im_end|> and <|endoftext|>): a verifier that
+    died right after sending one of them leaves a complete answer, not one to resume."""
+    ids = tokenizer.encode("All done.")
+    other_eos = 7  # not the tokenizer's EOS, but one of the model's
+
+    async def scenario() -> None:
+        fs = await start_fake(script=lambda req: [ids, [other_eos]], abort_at_end=True, eos_token_ids=(2, other_eos))
+        spare = await start_fake("spare")
+        async with Harness(tokenizer, [fs, spare]) as h:
+            for _ in range(200):  # until the stats poll has brought the verifiers' EOS ids
+                if other_eos in h.gateway.servicer.router.eos_token_ids():
+                    break
+                await asyncio.sleep(0.02)
+            responses = await h.generate(prompt_token_ids=[1], max_tokens=10, session_id="eos")
+            got_ids, _ = joined(responses)
+            assert got_ids == [*ids, other_eos]
+            assert responses[-1].finish_reason == STOP and responses[-1].stop_token_id == other_eos
+            assert len(fs.fake.requests) == 1 and spare.fake.requests == []  # no resume
 
     run(scenario())
 

@@ -44,15 +44,17 @@ class VerifierGetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class VerifierGetStatsResponse(_message.Message):
-    __slots__ = ("stats", "model", "max_model_len", "vocab_size", "tensor_parallel_size")
+    __slots__ = ("stats", "model", "max_model_len", "vocab_size", "tensor_parallel_size", "eos_token_ids")
     STATS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     stats: _common_pb2.EngineStats
     model: str
     max_model_len: int
     vocab_size: int
     tensor_parallel_size: int
-    def __init__(self, stats: _Optional[_Union[_common_pb2.EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stats: _Optional[_Union[_common_pb2.EngineStats, _Mapping]] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
