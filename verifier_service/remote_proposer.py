@@ -2,9 +2,11 @@
 
 The engine calls `propose` / `release` synchronously from its worker thread; the stream lives on the
 service's event loop (grpc.aio), reached with `asyncio.run_coroutine_threadsafe`. Every round trip has a
-deadline: past it, or on any error, the step gets empty drafts (k = 0, plain decoding), the stream is
-dropped and a background task reconnects with exponential backoff, trying the configured addresses in
-turn. A new stream holds no state, so fallback drafts ask the engine to resend each sequence in full
+deadline: past it the step gets empty drafts (k = 0, plain decoding) and the stream stays: the proposer
+still applies that message in order, and its late reply is discarded by step id, so no state is lost.
+Only an error, or MAX_LATE_REPLIES late replies in a row (a proposer that cannot keep up), drops the
+stream; a background task then reconnects with exponential backoff, trying the configured addresses in
+turn. A new stream holds no state, so fallback drafts then ask the engine to resend each sequence in full
 (`needs_resync`). No request ever fails because a proposer did.
 """
 
@@ -39,6 +41,7 @@ class IncompatibleProposerError(Exception):
     """The proposer drafts in another vocabulary: its token ids would be wrong for the target."""
 
 
+MAX_LATE_REPLIES = 8  # in a row: past that the proposer cannot keep up and its backlog only grows: drop the stream
 PROB_SUM_TOLERANCE = 1e-3  # float32 probabilities over a few thousand ids sum to 1 within ~1e-5
 
 
@@ -150,6 +153,9 @@ class RemoteProposer:
         self._task: asyncio.Task | None = None
         self._closed = False
         self._step_ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future] = {}  # step id -> its reply (event loop only)
+        self._write_lock: asyncio.Lock | None = None
+        self._late_in_a_row = 0
         self._releases: list[str] = []
         self._release_lock = threading.Lock()
 
@@ -213,6 +219,10 @@ class RemoteProposer:
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
+            self._pending = {}
+            self._write_lock = asyncio.Lock()
+            self._late_in_a_row = 0
+            reader = asyncio.create_task(self._read_replies(call), name="proposer-replies")
             self._lost.clear()
             self.info, self.address, self._call = info, address, call
             with self._release_lock:
@@ -230,6 +240,7 @@ class RemoteProposer:
             )
             up_since = time.monotonic()
             await self._lost.wait()
+            reader.cancel()
             return up_since
         finally:
             self._connected = False
@@ -294,11 +305,17 @@ class RemoteProposer:
         try:
             response = future.result(self.timeout_s)
             self.last_round_trip = RoundTrip(time.perf_counter() - sent, response.draft_time_us / 1e6, False)
+            self._late_in_a_row = 0
         except concurrent.futures.TimeoutError:
-            future.cancel()
+            future.cancel()  # stops waiting; the message itself was sent and is applied in order
             self.timeouts += 1
-            self._lose(call, loop, f"no answer within {self.timeout_s * 1000:.0f} ms")
-            return self._fallback(requests)
+            self._late_in_a_row += 1
+            if self._late_in_a_row >= MAX_LATE_REPLIES:
+                self._lose(
+                    call, loop, f"{self._late_in_a_row} answers in a row later than {self.timeout_s * 1000:.0f} ms"
+                )
+                return self._fallback(requests)
+            return self._fallback(requests, resync=False)
         except Exception as err:  # grpc.aio.AioRpcError, EOF, protocol errors, a cancelled future
             self.errors += 1
             detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else f"{type(err).__name__}: {err}"
@@ -314,11 +331,13 @@ class RemoteProposer:
         self._connected = False  # at once, so the next step does not use the stream
         loop.call_soon_threadsafe(self._drop, call, reason)
 
-    def _fallback(self, requests: list[DraftRequest]) -> list[Draft]:
-        """No drafts this step; the proposer's view of each sequence is unknown, so resend it in full."""
+    def _fallback(self, requests: list[DraftRequest], resync: bool = True) -> list[Draft]:
+        """No drafts this step. `resync`: the proposer's view of each sequence is unknown (a new stream will
+        hold nothing), so resend it in full; without it the stream stays and the proposer has this step's
+        tokens."""
         self.fallback_steps += 1
         self.last_round_trip = RoundTrip(0.0, 0.0, True)
-        return [Draft(r.seq_id, r.committed_len, [], needs_resync=True) for r in requests]
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
         with self._release_lock:
@@ -345,21 +364,38 @@ class RemoteProposer:
             sequences.append(sequence)
         return proposer_pb2.ProposeRequest(step_id=next(self._step_ids), sequences=sequences, release_seq_ids=releases)
 
-    @staticmethod
     async def _exchange(
-        call: grpc.aio.StreamStreamCall, message: proposer_pb2.ProposeRequest
+        self, call: grpc.aio.StreamStreamCall, message: proposer_pb2.ProposeRequest
     ) -> proposer_pb2.ProposeResponse:
-        await call.write(message)
-        while True:
-            response = await call.read()
-            if response is grpc.aio.EOF:
-                raise ConnectionError("the proposer closed the stream")
-            assert isinstance(response, proposer_pb2.ProposeResponse)
-            if response.step_id == message.step_id:
-                return response
-            if response.step_id > message.step_id:
-                raise ConnectionError(f"answer to step {response.step_id} while waiting for {message.step_id}")
-            # an answer to an earlier step we gave up on: discard
+        """Send `message` and wait for the reply with its step id (cancelled by the caller past its deadline;
+        the reader then discards that reply when it comes)."""
+        assert self._write_lock is not None
+        reply: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[message.step_id] = reply
+        try:
+            async with self._write_lock:  # one write at a time, also while an abandoned one still flushes
+                await call.write(message)
+            return await reply
+        finally:
+            self._pending.pop(message.step_id, None)
+
+    async def _read_replies(self, call: grpc.aio.StreamStreamCall) -> None:
+        """The stream's one reader: each reply goes to the call waiting for its step id; late ones are dropped."""
+        try:
+            while (response := await call.read()) is not grpc.aio.EOF:
+                assert isinstance(response, proposer_pb2.ProposeResponse)
+                reply = self._pending.pop(response.step_id, None)
+                if reply is not None and not reply.done():
+                    reply.set_result(response)
+            failure: Exception = ConnectionError("the proposer closed the stream")
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # grpc.aio.AioRpcError and the like: the stream is gone
+            failure = err
+        for reply in self._pending.values():
+            if not reply.done():
+                reply.set_exception(failure)
+        self._drop(call, str(failure))
 
     def _unpack(
         self,

@@ -226,6 +226,46 @@ def test_proposer_killed_mid_generation_requests_finish_exactly_and_it_reconnect
     run(body())
 
 
+def test_one_late_reply_keeps_the_stream_and_the_proposers_state():
+    """A reply past the deadline costs that step its drafts (k = 0), nothing more: the stream stays, the late
+    reply is discarded by step id, and no sequence is resent in full (a resend would make a long prompt's
+    catch-up time out again)."""
+
+    async def body():
+        drafter = make_drafter()
+        seen: list[tuple[str, int, int]] = []  # (seq_id, committed_len, new tokens) as the proposer got them
+        propose = drafter.propose
+        calls = {"n": 0}
+
+        def slow_once(requests):
+            calls["n"] += 1
+            seen.extend((r.seq_id, r.committed_len, len(r.new_token_ids)) for r in requests)
+            if calls["n"] == 4:
+                time.sleep(0.45)  # past the verifier's 300 ms deadline, once (and done before the next is late)
+            return propose(requests)
+
+        drafter.propose = slow_once  # type: ignore[method-assign]
+        info = ProposerInfo("draft-model", "tiny", VOCAB, "", 8, MAX_LEN)
+        proposer = await ProposerServer.start(ProposerConfig(host="127.0.0.1", port=0), drafter, info)
+        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"], proposer_timeout_ms=300)
+        remote = verifier.proposer
+        assert remote is not None
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                tokens, messages = await collect(stub, request(PROMPTS[2], 40))
+                assert tokens == reference(tuple(PROMPTS[2]), 40)
+                assert remote.timeouts == 1 and remote.connections == 1 and remote.connected
+                full_sends = [s for s in seen if s[2] == s[1]]  # every committed token sent again
+                assert len(full_sends) == 1, seen  # only the first, never after the late reply
+                assert messages[-1].usage.accepted_tokens > 0  # drafting went on after it
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
 class FakeProposer(proposer_pb2_grpc.ProposerServicer):
     """Misbehaves in turn: stale committed_len, out-of-vocabulary ids, wrong (valid) drafts, late answers."""
 
