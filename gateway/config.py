@@ -58,6 +58,13 @@ class GatewayConfig(TLSConfig):
         default=600.0,
         metadata=_help("deadline of a verifier call when the client set none (a client's own deadline is passed on)"),
     )
+    stream_idle_timeout_s: float = field(
+        default=120.0,
+        metadata=_help(
+            "a verifier stream silent this long (no message, first one included) is given up and the request "
+            "resumed on another verifier"
+        ),
+    )
     default_max_tokens: int = field(default=128, metadata=_help("max_tokens of requests that leave it unset"))
     max_tokens_limit: int = field(
         default=32768, metadata=_help("largest max_tokens a request may ask for (also capped by the context length)")
@@ -135,6 +142,8 @@ class GatewayConfig(TLSConfig):
             raise ValueError("default_max_tokens must not exceed max_tokens_limit")
         if self.max_stop_token_ids < 0 or self.max_resumes < 0:
             raise ValueError("max_stop_token_ids and max_resumes must be >= 0")
+        if self.stream_idle_timeout_s <= 0:
+            raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
         if self.verifier_call_timeout_s <= 0:
             raise ValueError(f"verifier_call_timeout_s must be > 0, got {self.verifier_call_timeout_s}")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:

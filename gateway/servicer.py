@@ -414,7 +414,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         backend.load.active_requests += 1
         last: tuple[Chunk, Final] | None = None
         try:
-            async for msg in call:
+            while (msg := await self._next_message(call, address)) is not grpc.aio.EOF:
                 if last is not None:
                     continue  # nothing follows the final message; reading on to the end completes the call
                 if msg.token_ids:
@@ -455,6 +455,17 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             return
         # The stream ended without a finish reason: a broken verifier; resume elsewhere.
         raise _VerifierFailed(f"verifier {address} ended the stream without a finish reason")
+
+    async def _next_message(self, call: Any, address: str) -> Any:
+        """The verifier's next message, or _VerifierFailed when it stays silent past stream_idle_timeout_s (a
+        hung verifier that still passes health checks): the request then resumes elsewhere."""
+        try:
+            return await asyncio.wait_for(call.read(), self.config.stream_idle_timeout_s)
+        except TimeoutError:
+            call.cancel()
+            raise _VerifierFailed(
+                f"verifier {address} sent nothing for {self.config.stream_idle_timeout_s:g} s"
+            ) from None
 
     def _last_chunk(self, chunk: Chunk, out: Any, reason: int, msg: Any) -> tuple[Chunk, Final]:
         tail = out.finish()

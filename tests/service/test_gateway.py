@@ -63,6 +63,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     hang: bool = False  # after the script: keep the stream open until cancelled
     abort_at_end: bool = False  # after the script: die (UNAVAILABLE) instead of sending the final message
     fail_after: int | None = None  # abort with UNAVAILABLE once this many tokens were sent
+    stall_after: int | None = None  # go silent (stream open, health fine) once this many tokens were sent
     error: tuple[grpc.StatusCode, str] | None = None  # abort at once with this status
     delay: float = 0.0
     failures_left: dict[str, int] = field(default_factory=lambda: {"n": 1 << 30})  # may be shared between fakes
@@ -91,6 +92,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 if self.fail_after is not None and sent >= self.fail_after and self.failures_left["n"] > 0:
                     self.failures_left["n"] -= 1
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.name} is going down")
+                if self.stall_after is not None and sent >= self.stall_after and self.failures_left["n"] > 0:
+                    self.failures_left["n"] -= 1
+                    await asyncio.Event().wait()  # until the gateway gives up and cancels the call
                 msg = verifier_pb2.VerifierGenerateResponse(token_ids=chunk)
                 sent += len(chunk)
                 steps = i + 1
@@ -561,6 +565,23 @@ def test_request_resumes_on_another_verifier_when_its_verifier_dies(tokenizer):
             assert resumed.request_id == first_try.request_id
             stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
             assert stats.resumed_requests == 1
+
+    run(scenario())
+
+
+def test_a_silent_verifier_stream_is_resumed_elsewhere(tokenizer):
+    """A verifier that stops sending (hung, yet healthy) must not hang the client: past stream_idle_timeout_s
+    the request resumes on another verifier and the output is exactly the uninterrupted one."""
+
+    async def scenario() -> None:
+        once = {"n": 1}
+        fakes = [await start_fake(f"v{i}", stall_after=4, failures_left=once) for i in range(2)]
+        async with Harness(tokenizer, fakes, stream_idle_timeout_s=0.5) as h:
+            responses = await h.generate(prompt_token_ids=[1, 2], max_tokens=12, timeout=10)
+            assert joined(responses)[0] == counting(2, 12)
+            assert responses[-1].finish_reason == LENGTH and responses[-1].usage.completion_tokens == 12
+            assert (await h.stub.GetStats(gateway_pb2.GetStatsRequest())).resumed_requests == 1
+            assert any(f.fake.cancelled.is_set() for f in fakes)  # the silent call was cancelled
 
     run(scenario())
 
