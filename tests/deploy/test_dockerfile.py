@@ -219,4 +219,5 @@ def test_healthcheck_checks_the_name_localhost_only_with_tls(target, tmp_path):
     # ...which the probe parses: the name reaches its TLS settings, the files come from SPECDEC_TLS_*.
     parser = argparse.ArgumentParser()
     add_client_arguments(parser)
-    assert client_from_arguments(parser.parse_args(["--tls-ca-file=ca.crt", tls[-1]])).server_name == "localhost"
+    client = client_from_arguments(parser.parse_args(["--tls-ca-file=ca.crt", tls[-1]]))
+    assert client is not None and client.server_name == "localhost"
