@@ -92,13 +92,15 @@ def test_plaintext_client_refused_by_gateway(secure_stack: Stack):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value  # type: ignore[attr-defined]
 
 
-def verifier_stats_error(stack: Stack, tls: ClientTLS | None) -> grpc.RpcError | None:
+def verifier_stats_error(stack: Stack, tls: ClientTLS | None) -> grpc.Call | None:
+    """The error of a GetStats straight to the verifier's port (None: it answered)."""
     with sync_channel(stack.verifier.address, tls) as channel:
         try:
             verifier_pb2_grpc.VerifierStub(channel).GetStats(
                 verifier_pb2.VerifierGetStatsRequest(), timeout=REFUSAL_TIMEOUT_S
             )
         except grpc.RpcError as err:
+            assert isinstance(err, grpc.Call)  # gRPC's errors are both
             return err
     return None
 
@@ -117,4 +119,4 @@ def test_verifier_port_requires_a_certificate_from_the_cluster_ca(secure_stack: 
     for label, tls in clients.items():
         err = verifier_stats_error(secure_stack, tls)
         assert err is not None, f"{label}: the verifier answered"
-        assert err.code() == grpc.StatusCode.UNAVAILABLE, f"{label}: {err.code().name}: {err.details()}"  # type: ignore[attr-defined]
+        assert err.code() == grpc.StatusCode.UNAVAILABLE, f"{label}: {err.code().name}: {err.details()}"
