@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make k8s-validate`: render every overlay of deploy/k8s with `kubectl kustomize` and validate it
 # (kubernetes-validate --strict, offline schemas), lint the YAML sources (yamllint) and the Dockerfile
-# (hadolint), and run the policy checks (checkov; skips justified in docs/deploy.md).
+# (hadolint), validate the example manifests (*.example.yaml) and run the policy checks (checkov; skips
+# justified in docs/deploy.md).
 # Custom resources (cert-manager's Issuer and Certificate, from the tls component) have no schema in
 # kubernetes-validate's offline copy: they are left out of that step, by name, and said so; the rest of the
 # overlay is validated, and checkov and tests/deploy still read them.
@@ -90,6 +91,13 @@ PY
   log "kubernetes-validate --strict ($name, Kubernetes $K8S_VERSION)"
   "$TOOLS/bin/kubernetes-validate" --strict --quiet -k "$K8S_VERSION" "$RENDERED/$name.core.yaml"
   rendered+=(-f "$RENDERED/$name.yaml")
+done
+# Example manifests that no overlay renders (the api-keys component's placeholder Secret, which the user
+# applies): validated and policy-checked as they are, so a copy of one is valid too.
+for example in deploy/k8s/components/*/*.example.yaml; do
+  log "kubernetes-validate --strict ($example, Kubernetes $K8S_VERSION)"
+  "$TOOLS/bin/kubernetes-validate" --strict --quiet -k "$K8S_VERSION" "$example"
+  rendered+=(-f "$example")
 done
 
 log "checkov: the rendered overlays, then the Dockerfile"

@@ -4,16 +4,19 @@ it runs exists in the repository, pins agree with constraints.txt, and the check
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import re
 import shlex
+import subprocess
 import tomllib
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 
 import pytest
 
+from shared.tls import add_client_arguments, client_from_arguments
 from tests.deploy.manifests import OVERLAYS, REPO, SERVICES, container, deployment, render
 
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
@@ -184,3 +187,37 @@ def test_hadolint_style_checklist():
             assert "sudo" not in args and "curl" not in args and "wget" not in args
         if keyword in ("CMD", "ENTRYPOINT"):
             assert args.startswith("[")
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_healthcheck_checks_the_name_localhost_only_with_tls(target, tmp_path):
+    """The HEALTHCHECK's shell line, run with a stand-in `python` that records its arguments: plaintext probes
+    127.0.0.1 as it is; with a certificate the probe must check a name the certificate carries (localhost)."""
+    _, stages = parse()
+    (healthcheck,) = stages[target].all("HEALTHCHECK")
+    shell, flag, script = json.loads(healthcheck.split(" CMD ", 1)[1])
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@"\n')
+    fake.chmod(0o755)
+
+    def argv(**env: str) -> list[str]:
+        out = subprocess.run(
+            [shell, flag, script],
+            env={"PATH": f"{tmp_path}:/usr/bin:/bin", **env},
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+        return out.splitlines()
+
+    probe = ["-m", "gateway.health_probe"]
+    assert argv() == [*probe, "127.0.0.1:50051"]
+    assert argv(SPECDEC_PORT="50052") == [*probe, "127.0.0.1:50052"]
+    tls = argv(SPECDEC_PORT="50053", SPECDEC_TLS_CERT_FILE="/etc/specdec/tls/tls.crt")
+    assert tls == [*probe, "127.0.0.1:50053", "--tls-server-name=localhost"]
+    # ...which the probe parses: the name reaches its TLS settings, the files come from SPECDEC_TLS_*.
+    parser = argparse.ArgumentParser()
+    add_client_arguments(parser)
+    client = client_from_arguments(parser.parse_args(["--tls-ca-file=ca.crt", tls[-1]]))
+    assert client is not None and client.server_name == "localhost"

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from gateway.auth import parse_key_file
 from gateway.config import GatewayConfig
 from gateway.server import SERVICE_NAME as GATEWAY_SERVICE
 from proposer_service.config import ProposerConfig
@@ -70,7 +71,7 @@ def service_config(docs: tuple[dict, ...], component: str) -> Any:
 
 
 def test_the_overlays_are_the_documented_ones():
-    assert OVERLAYS == ["cpu", "cpu-tls", "gpu", "gpu-tracing"]
+    assert OVERLAYS == ["cpu", "cpu-secure", "cpu-tls", "gpu", "gpu-tracing"]
     docs = (REPO / "docs" / "deploy.md").read_text()
     for overlay in OVERLAYS:
         assert f"overlays/{overlay}" in docs
@@ -363,3 +364,34 @@ def test_overlays_without_the_tls_component_stay_plaintext():
         docs = render(overlay)
         assert not of_kind(docs, "Certificate")
         assert not any(service_config(docs, c).tls_cert_file for c in SERVICES)
+
+
+API_KEYS_SECRET = "specdec-gateway-api-keys"
+
+
+def test_api_keys_component_mounts_the_secret_read_only_where_the_gateway_reads_it():
+    import yaml
+
+    docs = render("cpu-secure")
+    dep = deployment(docs, "gateway")
+    spec, ctr = dep["spec"]["template"]["spec"], container(dep)
+    (volume,) = [v for v in spec["volumes"] if v.get("secret", {}).get("secretName") == API_KEYS_SECRET]
+    assert not volume["secret"].get("optional", False)  # no Secret, no gateway: never serving without keys
+    (item,) = volume["secret"]["items"]
+    # The whole Secret folder read-only (no subPath: a subPath mount never sees an edit of the Secret).
+    (mount,) = [m for m in ctr["volumeMounts"] if m["name"] == volume["name"]]
+    assert mount["readOnly"] is True and "subPath" not in mount
+    path = f"{mount['mountPath']}/{item['path']}"
+    assert container_env(docs, ctr)["SPECDEC_API_KEYS_FILE"] == path
+    config = service_config(docs, "gateway")
+    assert config.api_keys_file == path and config.tls_cert_file  # keys only over TLS in the example overlay
+    for component in ("verifier", "proposer"):  # the key stays at the gateway
+        assert API_KEYS_SECRET not in str(deployment(docs, component))
+    assert not of_kind(docs, "Secret"), "keys must not pass through the repository or kustomize's output"
+    # The placeholder the user copies: the Secret the pod mounts, holding no key.
+    example = yaml.safe_load((K8S / "components" / "api-keys" / "api-keys-secret.example.yaml").read_text())
+    assert (example["kind"], example["metadata"]["name"]) == ("Secret", API_KEYS_SECRET)
+    assert example["metadata"]["namespace"] == "specdec"
+    assert parse_key_file(example["stringData"][item["key"]]) == {}
+    for overlay in (o for o in OVERLAYS if o != "cpu-secure"):
+        assert not service_config(render(overlay), "gateway").api_keys_file

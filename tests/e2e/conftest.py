@@ -13,6 +13,8 @@ Stacks:
     fault     the same with --max-num-seqs 3 --max-waiting 1 (queue-full test); its proposer is SIGKILLed
               by the proposer-failure test, so the shared main stack is never disturbed
     orphan    a gateway whose only verifier address has nothing listening (UNAVAILABLE test)
+    secure    main's services with TLS on every port, mutual TLS between them and an API key at the gateway
+              (certificates and key made per run: pki.py)
 
 Environment: SPECDEC_E2E_STARTUP_TIMEOUT (seconds to wait for a stack to be healthy, default 300).
 SPECDEC_CACHE_DIR and the model location variables pass through unchanged; other SPECDEC_* variables
@@ -38,6 +40,8 @@ import pytest
 from gateway.health_probe import check_once
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_eagle_head, default_target_model
+from shared.tls import ClientTLS, sync_channel
+from tests.e2e.pki import PKI
 
 HOST = "127.0.0.1"
 K = 4
@@ -191,6 +195,11 @@ class Stack:
     services: list[Service] = field(default_factory=list)  # start order: proposer, verifier, gateway
     proposer_expected: bool = True
     ready: bool = False
+    # The secure stack: its files, the TLS of the stack's own health and stats calls (the cluster CA and a client
+    # certificate from it, which the verifier requires) and the API key its gateway's GetStats needs.
+    pki: PKI | None = None
+    tls: ClientTLS | None = None
+    api_key: str = ""
 
     def get(self, name: str) -> Service:
         for s in self.services:
@@ -250,7 +259,7 @@ class Stack:
         for s in self.services:
             service = GATEWAY_SERVICE if s is self.gateway and len(names) > 1 else ""
             what = f"{s.name} SERVING {service or '(overall)'}"
-            self._wait(what, lambda s=s, v=service: check_once(s.address, v), deadline, [s])
+            self._wait(what, lambda s=s, v=service: check_once(s.address, v, tls=self.tls), deadline, [s])
         if len(names) > 1:
             if self.proposer_expected:
                 self._wait(
@@ -271,14 +280,17 @@ class Stack:
     # -- stats (sync, short-lived channels) ------------------------------------------------------
 
     def verifier_stats(self, timeout: float = 10.0) -> verifier_pb2.VerifierGetStatsResponse:
-        with grpc.insecure_channel(self.verifier.address) as channel:
+        with sync_channel(self.verifier.address, self.tls) as channel:
             return verifier_pb2_grpc.VerifierStub(channel).GetStats(
                 verifier_pb2.VerifierGetStatsRequest(), timeout=timeout
             )
 
     def gateway_stats(self, timeout: float = 10.0) -> gateway_pb2.GetStatsResponse:
-        with grpc.insecure_channel(self.gateway.address) as channel:
-            return gateway_pb2_grpc.GatewayStub(channel).GetStats(gateway_pb2.GetStatsRequest(), timeout=timeout)
+        metadata = [("authorization", f"Bearer {self.api_key}")] if self.api_key else None
+        with sync_channel(self.gateway.address, self.tls) as channel:
+            return gateway_pb2_grpc.GatewayStub(channel).GetStats(
+                gateway_pb2.GetStatsRequest(), timeout=timeout, metadata=metadata
+            )
 
 
 def build_stack(
@@ -289,6 +301,7 @@ def build_stack(
     with_verifier: bool = True,
     proposer_kind: str = "draft-model",
     adaptive_k: bool = False,
+    secure: bool = False,
 ) -> Stack:
     target, draft = default_target_model(), default_draft_model()
     drafter = (
@@ -297,6 +310,13 @@ def build_stack(
         else ["--model", default_eagle_head(), "--target-model", target]
     )
     stack = Stack(name)
+    if secure:
+        stack.pki = PKI(log_dir / f"{name}-pki")
+        stack.tls, stack.api_key = stack.pki.client(), stack.pki.api_key
+
+    def tls_args(service: str) -> list[str]:
+        return stack.pki.service_args(service) if stack.pki else []
+
     gateway_port = free_port()
     if with_verifier:
         proposer_port, verifier_port = free_port(), free_port()
@@ -314,6 +334,7 @@ def build_stack(
                     str(proposer_port),
                     "--max-model-len",
                     str(MAX_MODEL_LEN),
+                    *tls_args("proposer"),
                 ],
                 log_dir / f"{name}-proposer.log",
                 proposer_port,
@@ -338,6 +359,7 @@ def build_stack(
                     "--port",
                     str(verifier_port),
                     *verifier_args,
+                    *tls_args("verifier"),
                 ],
                 log_dir / f"{name}-verifier.log",
                 verifier_port,
@@ -364,6 +386,8 @@ def build_stack(
                 "5",
                 "--expose-backends",  # the stack waits for healthy verifiers in GetStats
                 "--enable-reflection",  # grpcurl without proto files (test_grpcurl.py)
+                *tls_args("gateway"),
+                *(["--api-keys-file", str(stack.pki.api_keys_file)] if stack.pki else []),
             ],
             log_dir / f"{name}-gateway.log",
             gateway_port,
@@ -387,6 +411,7 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
         adaptive_k=True,
         verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
     ),
+    "secure_stack": dict(name="secure", secure=True),
 }
 
 
@@ -459,6 +484,11 @@ def orphan_gateway(request, _launcher) -> Stack:
 @pytest.fixture(scope="session")
 def eagle_stack(request, _launcher) -> Stack:
     return _stack(request, _launcher, "eagle_stack")
+
+
+@pytest.fixture(scope="session")
+def secure_stack(request, _launcher) -> Stack:
+    return _stack(request, _launcher, "secure_stack")
 
 
 @pytest.hookimpl(hookwrapper=True)
