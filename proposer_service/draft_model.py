@@ -10,6 +10,10 @@ a sequence seen for the first time (a new turn of a conversation, a prompt with 
 prompt) starts from the cached blocks matching its committed tokens, and the full blocks of
 committed tokens are registered each round and when a sequence is released or its cache dropped.
 Draft tokens never enter the cache: only the prefix that equals the committed tokens is registered.
+
+A long catch-up (a new long prompt, a full resend) runs in chunks of CATCH_UP_CHUNK tokens before the
+first draft position, as the verifier's chunked prefill does: one forward over thousands of tokens would
+pad every other sequence of the batch to its length.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from shared.drafting import Draft, DraftRequest
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import logits_to_probs, params_to_tensors
+
+CATCH_UP_CHUNK = 512
 
 
 @dataclass
@@ -88,6 +94,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         reqs = [req for req, _ in active]
         states = [self.states[req.seq_id] for req in reqs]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
+        self._catch_up_in_chunks(reqs, states, feeds)
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
         for step in range(max(req.k for req in reqs)):
@@ -108,6 +115,20 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
             Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
+
+    def _catch_up_in_chunks(self, reqs: list[DraftRequest], states: list[_SeqState], feeds: list[list[int]]) -> None:
+        """Feed all but the last CATCH_UP_CHUNK tokens of each long feed, a chunk per forward (no logits);
+        `feeds` keep the rest, which the first draft position reads."""
+        while True:
+            rows = [i for i, feed in enumerate(feeds) if len(feed) > CATCH_UP_CHUNK]
+            if not rows:
+                return
+            items = []
+            for i in rows:
+                chunk, feeds[i] = feeds[i][:CATCH_UP_CHUNK], feeds[i][CATCH_UP_CHUNK:]
+                items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), chunk, 0))
+                states[i].cached.extend(chunk)
+            self.runner.forward(items)
 
     def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int]):
         params = [req.params for req in reqs]

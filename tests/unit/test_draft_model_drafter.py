@@ -90,3 +90,25 @@ def test_unknown_history_asks_for_resync(draft_hf):
     drafter = new_drafter(draft_hf)
     draft = drafter.propose([DraftRequest("s", 10, [1, 2], 3)])[0]
     assert draft.needs_resync and draft.token_ids == []
+
+
+def test_a_long_catch_up_runs_in_chunks_and_drafts_the_same(draft_hf, monkeypatch):
+    import proposer_service.draft_model as draft_model
+
+    rng = random.Random(5)
+    seqs = {"long": [rng.randrange(1, 90) for _ in range(45)], "short": [rng.randrange(1, 90) for _ in range(3)]}
+    monkeypatch.setattr(draft_model, "CATCH_UP_CHUNK", 8)
+    drafter = new_drafter(draft_hf)
+    forwards: list[list[int]] = []
+    forward = drafter.runner.forward
+
+    def recording(items):
+        forwards.append([len(item.token_ids) for item in items])
+        return forward(items)
+
+    drafter.runner.forward = recording  # type: ignore[method-assign]
+    drafts = drafter.propose([DraftRequest(s, len(t), t, 3) for s, t in seqs.items()])
+    assert max(n for sizes in forwards for n in sizes) <= 8  # no forward over the whole prompt
+    assert len(forwards) > 3
+    for draft in drafts:
+        assert draft.token_ids == hf_greedy(draft_hf, seqs[draft.seq_id], 3, eos=False)
