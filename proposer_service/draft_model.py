@@ -45,15 +45,20 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
         active: list[tuple[DraftRequest, list[int]]] = []
+        ingest: list[tuple[DraftRequest, list[int]]] = []
         in_request = {req.seq_id for req in requests}
         for req in requests:
             tokens = self.history.apply(req)
             if tokens is None:
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-            elif req.k <= 0 or not self._prepare(req, tokens, in_request):
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-            else:
+                continue
+            prepared = self._prepare(req, tokens, in_request)
+            drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
+            if prepared and req.k > 0:
                 active.append((req, tokens))
+            elif prepared and req.new_token_ids:
+                ingest.append((req, tokens))
+        self._ingest(ingest)
         for draft in self._draft(active):
             drafts[draft.seq_id] = draft
         return [drafts[req.seq_id] for req in requests]
@@ -94,7 +99,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         reqs = [req for req, _ in active]
         states = [self.states[req.seq_id] for req in reqs]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
-        self._catch_up_in_chunks(reqs, states, feeds)
+        self._feed_in_chunks(reqs, states, feeds, keep=CATCH_UP_CHUNK)
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
         for step in range(max(req.k for req in reqs)):
@@ -116,16 +121,28 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
 
-    def _catch_up_in_chunks(self, reqs: list[DraftRequest], states: list[_SeqState], feeds: list[list[int]]) -> None:
-        """Feed all but the last CATCH_UP_CHUNK tokens of each long feed, a chunk per forward (no logits);
-        `feeds` keep the rest, which the first draft position reads."""
+    def _ingest(self, rows: list[tuple[DraftRequest, list[int]]]) -> None:
+        """k = 0 with new tokens (the verifier is prefilling this prompt): compute their K/V now, in chunks, so
+        the first draft round finds the prompt cached instead of catching up on all of it at once. The last
+        committed token stays unfed: the first draft position reads it."""
+        reqs = [req for req, _ in rows]
+        states = [self.states[req.seq_id] for req in reqs]
+        feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(rows, states, strict=True)]
+        self._feed_in_chunks(reqs, states, feeds, keep=1)
+
+    def _feed_in_chunks(
+        self, reqs: list[DraftRequest], states: list[_SeqState], feeds: list[list[int]], keep: int
+    ) -> None:
+        """Feed all but the last `keep` tokens of each feed, at most CATCH_UP_CHUNK per forward (no logits);
+        `feeds` keep the rest."""
         while True:
-            rows = [i for i, feed in enumerate(feeds) if len(feed) > CATCH_UP_CHUNK]
+            rows = [i for i, feed in enumerate(feeds) if len(feed) > keep]
             if not rows:
                 return
             items = []
             for i in rows:
-                chunk, feeds[i] = feeds[i][:CATCH_UP_CHUNK], feeds[i][CATCH_UP_CHUNK:]
+                n = min(CATCH_UP_CHUNK, len(feeds[i]) - keep)
+                chunk, feeds[i] = feeds[i][:n], feeds[i][n:]
                 items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), chunk, 0))
                 states[i].cached.extend(chunk)
             self.runner.forward(items)

@@ -196,7 +196,7 @@ class Engine:
         if observer is not None:
             observer.step_started(batch)
         start = time.perf_counter()
-        drafts = self._propose([s for s in batch if s.samples and s.k > 0])
+        drafts, ingesting = self._propose(batch)
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
@@ -208,7 +208,8 @@ class Engine:
         else:
             logits, hidden = self.runner.forward(items), [None] * len(items)  # logits: [num_logits, vocab]
         scored = time.perf_counter()
-        self._measure_costs(batch, drafts, proposed - start, scored - proposed)
+        if not ingesting:  # a prompt's early ingest would count as drafting cost
+            self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
         emitted = self._verify(sampling)
         verified = time.perf_counter()
@@ -249,30 +250,44 @@ class Engine:
             query_tokens = len(batch) + sum(len(d.token_ids) for d in drafts.values())
             self.scheduler.scoring_cost.update(query_tokens, score_s)
 
-    def _propose(self, scheduled: list[ScheduledSeq]) -> dict[str, Draft]:
-        if not scheduled or self.drafter is None:
-            return {}
-        requests = []
-        for s in scheduled:
+    def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:
+        """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is
+        also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
+        catching up on all of it in the first draft round. Returns (drafts, whether any prompt was sent)."""
+        if self.drafter is None:
+            return {}, False
+        scheduled = []
+        for s in batch:
             seq = s.seq
-            new = seq.tokens[seq.num_sent_to_proposer :]
+            committed = len(seq.tokens) if s.samples else seq.num_computed + s.num_feed
+            if (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
+                scheduled.append((s, committed))
+        if not scheduled:
+            return {}, False
+        requests = []
+        for s, committed in scheduled:
+            seq = s.seq
+            new = seq.tokens[seq.num_sent_to_proposer : committed]
             feature_start, features = 0, None
             if seq.features is not None and self.keeps_features:
                 feature_start, features = seq.features.since(seq.num_features_sent)
                 seq.num_features_sent = seq.features.end
-            requests.append(DraftRequest(seq.seq_id, len(seq.tokens), new, s.k, seq.params, features, feature_start))
-            seq.num_sent_to_proposer = len(seq.tokens)
+            k = s.k if s.samples else 0
+            requests.append(DraftRequest(seq.seq_id, committed, new, k, seq.params, features, feature_start))
+            seq.num_sent_to_proposer = committed
         drafts = {}
-        for s, draft in zip(scheduled, self.drafter.propose(requests), strict=True):
+        for (s, _), draft in zip(scheduled, self.drafter.propose(requests), strict=True):
             if draft.needs_resync:
                 s.seq.num_sent_to_proposer = 0
                 s.seq.num_features_sent = 0
+            if not s.samples:
+                continue  # an ingest: nothing to verify
             if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
                 self.stats.stale_drafts += 1  # built on another prefix: never applied
                 continue
             if draft.token_ids:
                 drafts[draft.seq_id] = _trim(draft, s.k)
-        return drafts
+        return drafts, len(scheduled) > len([1 for s, _ in scheduled if s.samples])
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq

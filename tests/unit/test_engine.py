@@ -452,3 +452,32 @@ def test_cached_blocks_hold_exactly_their_tokens_kv(target, weak_draft):
                 torch.testing.assert_close(v_ours[a], v_ref[b], atol=1e-4, rtol=1e-4)
         prompt = history + [rng.randrange(1, EOS) for _ in range(rng.randrange(1, 6))]
     assert engine.stats.drafted_tokens > engine.stats.accepted_tokens  # drafts were rejected along the way
+
+
+def test_a_prompt_prefilled_in_chunks_is_ingested_by_the_drafter_alongside(target_hf, target):
+    """The drafter gets each prefill chunk's tokens with k = 0 as the target computes them, so its first draft
+    round has only the last chunk to catch up on (a long prompt no longer lands on it all at once)."""
+    engine = engine_with(target, "same", k=3, max_num_seqs=2, max_num_batched_tokens=8)
+    drafter = engine.drafter
+    seen, forwards = [], []
+    propose, forward = drafter.propose, drafter.runner.forward
+
+    def recording_propose(requests):
+        seen.extend((r.k, r.committed_len, len(r.new_token_ids)) for r in requests)
+        return propose(requests)
+
+    def recording_forward(items):
+        forwards.append(max(len(item.token_ids) for item in items))
+        return forward(items)
+
+    drafter.propose = recording_propose  # type: ignore[method-assign]
+    drafter.runner.forward = recording_forward  # type: ignore[method-assign]
+    prompt = prompts(1, seed=9)[0] + prompts(1, seed=10)[0]  # longer than several chunks of 8
+    assert len(prompt) > 24
+    outs = run(engine, [prompt], SamplingParams(max_tokens=12, ignore_eos=True))
+    assert outs["r0"] == hf_greedy(target_hf, prompt, 12, eos=False)
+    ingests = [s for s in seen if s[0] == 0]
+    first_draft = next(s for s in seen if s[0] > 0)
+    assert len(ingests) >= 3 and all(n <= 8 for _, _, n in ingests)
+    assert sum(n for _, _, n in ingests) + first_draft[2] == len(prompt)  # each token sent once
+    assert first_draft[2] <= 8 and max(forwards) <= 8  # no forward over the whole prompt
