@@ -31,6 +31,7 @@ from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from shared.errors import (
     InvalidRequestError,
+    OverloadedError,
     RateLimitedError,
     SpecdecError,
     UnauthenticatedError,
@@ -67,6 +68,10 @@ class VerifierError(Exception):
 
 class _VerifierFailed(Exception):
     """The verifier died or dropped the call: resume the request elsewhere."""
+
+
+class _VerifierFull(Exception):
+    """The verifier's queue is full (RESOURCE_EXHAUSTED before any token): try another, or shed the load."""
 
 
 @dataclass
@@ -109,6 +114,8 @@ class _RequestRun:
     client_request_id: str = ""  # what the client sent (checked) or, if none, request_id: echoed back
     acct: _Accounting = field(default_factory=_Accounting)
     failed_backends: set[str] = field(default_factory=set)  # left out when picking the next verifier
+    full_backends: set[str] = field(default_factory=set)  # whose queue was full for this request
+    full_reason: str = ""  # the last full verifier's own message
     resumes: int = 0
     live_calls: list[Any] = field(default_factory=list)  # the verifier calls to cancel if the client goes away
     grant: Grant = field(default_factory=Grant)  # the API key's name and token charges
@@ -297,7 +304,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 self._finish(run, prepared, out.token_ids, final)
                 yield tail, final
                 break
-            backend = await self._pick_backend(prepared.session_id, run.failed_backends)
+            backend = await self._pick_backend(prepared.session_id, run.failed_backends | run.full_backends, run)
             if not out.token_ids:
                 prepared = self.frontend.check_context(prepared, backend.max_model_len)
                 out.max_tokens = prepared.max_tokens
@@ -312,14 +319,22 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                             run.acct.add_segment(segment.usage, segment.steps)
                             self._finish(run, prepared, out.token_ids, final)
                         yield chunk, final
+            except _VerifierFull as err:
+                run.full_backends.add(backend.address)  # not a failure: the next pick skips it
+                run.full_reason = str(err)
             except _VerifierFailed as err:
                 run.acct.add_segment(segment.usage, segment.steps)
                 self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
 
-    async def _pick_backend(self, session_id: str, exclude: set[str]) -> Any:
+    async def _pick_backend(self, session_id: str, exclude: set[str], run: _RequestRun) -> Any:
         try:
             return self.router.pick(session_id, exclude=exclude)
         except UnavailableError:
+            if run.full_backends:  # every verifier left is full: shed the load now instead of queueing it
+                raise OverloadedError(
+                    f"every verifier's queue is full ({len(run.full_backends)} tried; last: {run.full_reason}); "
+                    "retry in 1 s"
+                ) from None
             # Maybe a verifier came back since the last periodic check: look now, then decide.
             await self.pool.recheck_unhealthy()
             return self.router.pick(session_id, exclude=exclude)
@@ -442,6 +457,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                 yield last
                 return
             code = err.code()
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not out.token_ids[len(emitted) :]:
+                raise _VerifierFull(err.details()) from None
             if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not context.done()):
                 raise _VerifierFailed(f"verifier {address}: {code.name}: {err.details()}") from None
             raise VerifierError(code, err.details() or code.name) from None

@@ -20,8 +20,20 @@ class QueueFullError(SpecdecError):
     """Too many requests are waiting: RESOURCE_EXHAUSTED."""
 
 
+class OverloadedError(QueueFullError):
+    """Every backend's queue is full: RESOURCE_EXHAUSTED at once, with a `retry-after` trailer."""
+
+    def __init__(self, message: str, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class UnavailableError(SpecdecError):
     """No healthy backend: UNAVAILABLE."""
+
+
+class ReaderStalledError(SpecdecError):
+    """The caller stopped reading a stream past the server's buffer: RESOURCE_EXHAUSTED, the request ended."""
 
 
 class NumericalError(SpecdecError):
@@ -55,7 +67,7 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
         return grpc.StatusCode.INVALID_ARGUMENT, str(err)
     if isinstance(err, UnauthenticatedError):
         return grpc.StatusCode.UNAUTHENTICATED, str(err)
-    if isinstance(err, (QueueFullError, RateLimitedError)):
+    if isinstance(err, (QueueFullError, RateLimitedError, ReaderStalledError)):
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
@@ -68,6 +80,6 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
 
 def grpc_trailing_metadata_for(err: BaseException) -> tuple[tuple[str, str], ...]:
     """Trailing metadata that goes with the status: `retry-after` (seconds) when the client should wait."""
-    if isinstance(err, RateLimitedError):
+    if isinstance(err, (RateLimitedError, OverloadedError)):
         return (("retry-after", str(err.retry_after_s)),)
     return ()

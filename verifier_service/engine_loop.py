@@ -15,13 +15,17 @@ import logging
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
-from shared.errors import NumericalError, UnavailableError
+from shared.errors import NumericalError, ReaderStalledError, UnavailableError
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
 
 log = logging.getLogger("specdec.verifier.loop")
+
+# Updates a request may have waiting for its reader. A reader that stops (a stalled client behind gRPC flow
+# control) must not make the verifier buffer its tokens without bound: past this it is failed, its blocks freed.
+MAX_BUFFERED_UPDATES = 4096
 
 
 @dataclass
@@ -96,7 +100,10 @@ class _Tracked:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, proposer: RemoteProposer | None = None) -> None:
+    def __init__(
+        self, engine: Engine, proposer: RemoteProposer | None = None, max_buffered_updates: int = MAX_BUFFERED_UPDATES
+    ) -> None:
+        self.max_buffered_updates = max_buffered_updates
         self.engine = engine
         self.proposer = proposer
         self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts
@@ -263,6 +270,9 @@ class EngineLoop:
             usage.drafted_tokens += out.num_drafted
             usage.accepted_tokens += out.num_accepted
             usage.num_steps += 1
+            if tracked.queue.qsize() >= self.max_buffered_updates and not out.finished:
+                self._stalled(out.request_id, tracked)
+                continue
             stop_token = out.new_token_ids[-1] if out.finish_reason == FinishReason.STOP and out.new_token_ids else None
             update = Update(
                 out.request_id, list(out.new_token_ids), out.finish_reason, dataclasses.replace(usage), stop_token
@@ -275,6 +285,18 @@ class EngineLoop:
                 else:
                     self.finished_requests += 1
         self._update_idle()
+
+    def _stalled(self, request_id: str, tracked: _Tracked) -> None:
+        """Its reader fell max_buffered_updates behind: free it now; the reader gets the error after the backlog."""
+        log.warning("request's reader stalled request_id=%s buffered_updates=%d", request_id, tracked.queue.qsize())
+        self.engine.abort(request_id)
+        self._requests.pop(request_id, None)
+        self.aborted_requests += 1
+        tracked.queue.put_nowait(
+            ReaderStalledError(
+                f"the request was ended: its reader fell {tracked.queue.qsize()} messages behind (stopped reading)"
+            )
+        )
 
     def _fail_all(self, err: Exception) -> None:
         for request_id, tracked in list(self._requests.items()):

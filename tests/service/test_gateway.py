@@ -357,7 +357,10 @@ def test_verifier_errors_pass_through_unchanged(tokenizer):
             ]:
                 fs.fake.error = (code, message)
                 details = await expect_error(h.generate(prompt="hi"), code, message)
-                assert details == message
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:  # its only verifier is full: load shed, with a hint
+                    assert details.startswith("every verifier's queue is full") and "retry in 1 s" in details
+                else:
+                    assert details == message
             fs.fake.error = None
             assert joined(await h.generate(prompt_token_ids=[7], max_tokens=3))[0] == counting(1, 3)
 
@@ -586,6 +589,30 @@ def test_a_silent_verifier_stream_is_resumed_elsewhere(tokenizer):
     run(scenario())
 
 
+def test_a_full_verifier_is_skipped_and_all_full_sheds_load_with_a_retry_hint(tokenizer):
+    full = (grpc.StatusCode.RESOURCE_EXHAUSTED, "256 requests are already waiting; retry later")
+
+    async def scenario() -> None:
+        busy, free = await start_fake("busy", error=full), await start_fake("free")
+        async with Harness(tokenizer, [busy, free]) as h:
+            for session in ("a", "b", "c", "d"):  # whichever verifier a session prefers, it is served
+                responses = await h.generate(prompt_token_ids=[1], max_tokens=4, session_id=session)
+                assert joined(responses)[0] == counting(1, 4)
+            assert len(free.fake.requests) == 4
+        fakes = [await start_fake(f"full{i}", error=full) for i in range(2)]
+        async with Harness(tokenizer, fakes) as h:
+            call = h.stub.Generate(gateway_pb2.GenerateRequest(prompt_token_ids=[1], max_tokens=4))
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in call:
+                    pass
+            assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "every verifier's queue is full" in (info.value.details() or "")
+            assert ("retry-after", "1") in tuple(info.value.trailing_metadata() or ())
+            assert [len(f.fake.requests) for f in fakes] == [1, 1]  # each tried once, nothing queued
+
+    run(scenario())
+
+
 def test_failure_with_no_other_verifier_is_unavailable(tokenizer):
     async def scenario() -> None:
         fs = await start_fake(fail_after=4)
@@ -625,18 +652,18 @@ def test_any_of_the_verifiers_eos_ids_ends_a_request_whose_verifier_died(tokeniz
     other_eos = 7  # not the tokenizer's EOS, but one of the model's
 
     async def scenario() -> None:
+        # Alone: a resume would find no other verifier and end UNAVAILABLE.
         fs = await start_fake(script=lambda req: [ids, [other_eos]], abort_at_end=True, eos_token_ids=(2, other_eos))
-        spare = await start_fake("spare")
-        async with Harness(tokenizer, [fs, spare]) as h:
+        async with Harness(tokenizer, [fs]) as h:
             for _ in range(200):  # until the stats poll has brought the verifiers' EOS ids
                 if other_eos in h.gateway.servicer.router.eos_token_ids():
                     break
                 await asyncio.sleep(0.02)
-            responses = await h.generate(prompt_token_ids=[1], max_tokens=10, session_id="eos")
+            responses = await h.generate(prompt_token_ids=[1], max_tokens=10)
             got_ids, _ = joined(responses)
             assert got_ids == [*ids, other_eos]
             assert responses[-1].finish_reason == STOP and responses[-1].stop_token_id == other_eos
-            assert len(fs.fake.requests) == 1 and spare.fake.requests == []  # no resume
+            assert len(fs.fake.requests) == 1  # no resume
 
     run(scenario())
 

@@ -520,6 +520,35 @@ def test_a_dead_engine_loop_fails_its_requests_unavailable_and_stops_serving():
     run(body())
 
 
+def test_a_stalled_reader_is_ended_and_its_blocks_freed_while_others_run_on():
+    async def body():
+        from shared.errors import ReaderStalledError
+        from shared.sampling import SamplingParams
+
+        verifier = await start_verifier(step_delay_s=0.005)
+        loop = verifier.loop
+        loop.max_buffered_updates = 3
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                other = asyncio.create_task(collect(stub, request(PROMPTS[1], 30)))
+                updates = loop.generate("slow-reader", list(PROMPTS[0]), SamplingParams(max_tokens=100))
+                first = await updates.__anext__()
+                assert first.token_ids
+                await asyncio.sleep(0.5)  # the reader stops; the engine goes on stepping
+                with pytest.raises(ReaderStalledError, match="stopped reading"):
+                    async for _ in updates:
+                        pass
+                tokens, _ = await other
+                assert tokens == reference(tuple(PROMPTS[1]), 30)
+                s = await stats(stub)
+                assert s.kv_blocks_free == s.kv_blocks_total and s.running_requests == 0
+        finally:
+            await verifier.shutdown(0.2)
+
+    run(body())
+
+
 def test_config_reads_flags_and_env(monkeypatch):
     monkeypatch.setenv("SPECDEC_NUM_SPECULATIVE_TOKENS", "6")
     monkeypatch.setenv("SPECDEC_PROPOSER", "a:1, b:2")
