@@ -72,7 +72,7 @@ phoenix:
 bench-prefix: $(STAMP)
 	$(PY) -m specdec_bench.prefix_bench
 
-# Train the EAGLE draft head for the default target into models/smollm2-135m-eagle (about 50 minutes on
+# Train the EAGLE draft head for the default target into models/smollm2-135m-eagle (about 60 minutes on
 # 2 cores; resumable). TRAIN_ARGS passes more flags, e.g. TRAIN_ARGS="--quick --out /tmp/head".
 train-draft: $(STAMP)
 	$(PY) -m specdec_train $(TRAIN_ARGS)

@@ -35,7 +35,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where the head is written (%(default)s)")
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "eagle-train", help="data and checkpoints")
-    p.add_argument("--num-prompts", type=int, default=768, help="target continuations to generate")
+    p.add_argument("--num-prompts", type=int, default=1536, help="target continuations to generate")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--gen-batch", type=int, default=48, help="sequences the engine decodes at once")
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="size of the frequency-ranked subset")
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--unroll", type=int, default=TrainConfig.unroll, help="training-time-test steps (1 = EAGLE-1)")
-    p.add_argument("--time-budget-min", type=float, default=30.0, help="stop training after this (0 = no limit)")
+    p.add_argument("--time-budget-min", type=float, default=20.0, help="stop training after this (0 = no limit)")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
         args.draft_vocab_size, args.steps, args.batch_size, args.max_len = 64, 12, 4, 32
         args.eval_tokens, args.time_budget_min = 16, 0
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
-    given = list(argv if argv is not None else sys.argv[1:])
+    given = _without(list(argv if argv is not None else sys.argv[1:]), ("--steps", "--time-budget-min"))
 
     started = time.monotonic()
     target_model = load_model(target)
@@ -138,6 +138,20 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"head written to {args.out}: mean accepted length {acceptance.mean_accepted_length:.2f} at k = {args.eval_k}"
     )
+
+
+def _without(args: list[str], flags: tuple[str, ...]) -> list[str]:
+    """`args` less the given flags and their values (the card's command sets them itself)."""
+    kept: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in flags:
+            skip = True
+        elif not arg.startswith(tuple(f + "=" for f in flags)):
+            kept.append(arg)
+    return kept
 
 
 def evaluate(args: argparse.Namespace, target: str, target_model, embedding, lm_head):

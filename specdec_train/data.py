@@ -55,8 +55,7 @@ def params_for(index: int, max_new_tokens: int, seed: int) -> SamplingParams:
 def generate(config: DataConfig, target_model=None) -> list[Path]:
     """Write the shards not yet on disk; return every shard's path."""
     config.out_dir.mkdir(parents=True, exist_ok=True)
-    prompts = training_prompts(config.seed)
-    prompts = (prompts * (config.num_prompts // len(prompts) + 1))[: config.num_prompts]
+    prompts = training_prompts(config.seed, config.num_prompts)
     shards = [
         (config.out_dir / f"shard-{i:04d}.pt", range(start, min(start + config.shard_size, len(prompts))))
         for i, start in enumerate(range(0, len(prompts), config.shard_size))
