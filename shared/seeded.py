@@ -20,6 +20,8 @@ and seeding a fresh MT19937 costs a few microseconds; the cost that matters is t
 `vocab` float64 uniforms and two logs per position (about 1 ms for a 49k vocabulary on one CPU core).
 The verifier pays it only up to a row's first mismatch, the drafter once per draft token. Uniforms are
 float64 so that noise ties (which would make the token depend on tie-breaking) have probability ~0.
+torch's CPU stream for a given seed is fixed within a torch version (pinned in constraints.txt); verifiers
+on different torch versions would break failover exactness, a proposer on another one only acceptance.
 """
 
 from __future__ import annotations
