@@ -351,8 +351,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         run.resumes += 1
         self.counters.resumed_requests += 1
         self.telemetry.event(run.traced, "resume", {"specdec.failed_backend": address})
-        # A seeded request that resumes stays exact in distribution, but it is not bit-reproducible: the new
-        # verifier seeds a fresh generator for the continuation instead of continuing the old one's random stream.
+        # A seeded request resumes exactly: the new verifier is told the output position it starts at
+        # (output_offset), and a seeded token depends only on (seed, position, target distribution).
         log.warning(
             "event=resume request_id=%s failed_backend=%s emitted_tokens=%d reason=%r",
             run.request_id,
@@ -419,6 +419,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             stop_token_ids=prepared.stop_token_ids,
             ignore_eos=prepared.ignore_eos,
             max_draft_tokens=prepared.max_draft_tokens,
+            output_offset=len(emitted),  # a resume: seeded sampling goes on from the same output position
         )
         timeout = context.time_remaining()  # the client's deadline, passed on; None when it set none
         if timeout is None:

@@ -27,6 +27,7 @@ from shared.drafting import Draft, DraftRequest
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import logits_to_probs, params_to_tensors
+from shared.seeded import seeded_tokens
 
 CATCH_UP_CHUNK = 512
 
@@ -110,7 +111,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
                 states[i].cached.extend(feeds[i])
             logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
             for row, (token, support) in zip(
-                rows, self._sample(logits, [reqs[i] for i in rows], states, rows), strict=True
+                rows, self._sample(logits, [reqs[i] for i in rows], states, rows, step), strict=True
             ):
                 out_ids[row].append(token)
                 if support is not None:
@@ -147,12 +148,18 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
                 states[i].cached.extend(chunk)
             self.runner.forward(items)
 
-    def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int]):
+    def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int], step: int):
         params = [req.params for req in reqs]
         probs = logits_to_probs(logits, **params_to_tensors(params, logits.device))  # [rows, vocab]
-        for row_probs, p, row in zip(probs, params, rows, strict=True):
+        for row_probs, req, row in zip(probs, reqs, rows, strict=True):
+            p = req.params
             if p.is_greedy:
                 yield int(row_probs.argmax()), None
+                continue
+            if p.seed is not None:
+                # The target's noise at this output position: the verifier accepts exactly what it would emit,
+                # and reads no draft probabilities, so none are sent.
+                yield int(seeded_tokens(row_probs.unsqueeze(0), p.seed, [req.draft_position + step])[0]), None
                 continue
             # Truncate to the top_n tokens and sample from exactly that renormalised distribution.
             top_probs, top_ids = row_probs.topk(min(self.top_n, row_probs.shape[-1]))

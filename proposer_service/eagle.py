@@ -23,6 +23,7 @@ from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, build_metadata
 from shared.model.eagle import EagleHead
 from shared.sampling import logits_to_probs, params_to_tensors
+from shared.seeded import gumbel_argmax, gumbel_noise
 
 MAX_SEQUENTIAL_FILL = 16  # gap positions filled one by one from the head's own guesses; earlier ones in bulk
 
@@ -188,7 +189,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
                     guesses[i] = out[-1]
             logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
             for i, (token, support) in zip(
-                rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows]), strict=True
+                rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step), strict=True
             ):
                 out_ids[i].append(token)
                 if support is not None:
@@ -198,7 +199,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_SeqState]):
+    def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_SeqState], step: int):
         """logits [rows, draft_vocab] over the subset -> (token id, sparse support or None) per row."""
         subset = self.head.vocab_subset
         params = [req.params for req in reqs]
@@ -207,9 +208,16 @@ class EagleDrafter(PagedDrafter[_SeqState]):
                 yield int(subset[index]), None
             return
         probs = logits_to_probs(logits, **params_to_tensors(params, logits.device))  # [rows, draft_vocab]
-        for row_probs, p, state in zip(probs, params, states, strict=True):
+        for row_probs, req, state in zip(probs, reqs, states, strict=True):
+            p = req.params
             if p.is_greedy:
                 yield int(subset[row_probs.argmax()]), None
+                continue
+            if p.seed is not None:
+                # The target's noise at this output position, read at the subset's token ids; the verifier
+                # accepts exactly what it would emit and reads no draft probabilities.
+                noise = gumbel_noise(p.seed, [req.draft_position + step], self.vocab_size)[:, subset.cpu()]
+                yield int(subset[gumbel_argmax(row_probs.unsqueeze(0), noise)[0]]), None  # noise: [1, draft_vocab]
                 continue
             # The head's distribution is zero outside the subset; truncate to top_n and send exactly that.
             top_probs, top_index = row_probs.topk(min(self.top_n, row_probs.shape[-1]))

@@ -253,7 +253,14 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 self.invalid_features += 1
                 log.warning("features of sequence %s dropped: %s", seq.seq_id, err)
         return DraftRequest(
-            stream.key(seq.seq_id), seq.committed_len, list(seq.new_token_ids), k, params, features, feature_start
+            stream.key(seq.seq_id),
+            seq.committed_len,
+            list(seq.new_token_ids),
+            k,
+            params,
+            features,
+            feature_start,
+            seq.draft_position,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:

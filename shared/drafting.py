@@ -26,6 +26,9 @@ class DraftRequest:
     # sent yet; only for drafters whose `needs_target_features` is True (EAGLE heads), None otherwise.
     features: torch.Tensor | None = None  # [m, hidden]
     feature_start: int = 0
+    # Output position (0 = the request's first generated token) of the first draft token: seeded requests
+    # draft with the noise of shared/seeded.py at that position and the following ones.
+    draft_position: int = 0
 
 
 @dataclass(frozen=True)

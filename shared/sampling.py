@@ -35,6 +35,11 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def is_seeded(self) -> bool:
+        """Sampled with a seed: each token is a pure function of (seed, position, distribution); shared/seeded.py."""
+        return self.seed is not None and not self.is_greedy
+
     def validate(self, vocab_size: int | None = None) -> None:
         """Raise ValueError with a message a person understands. The one place sampling values are checked."""
         for name in ("temperature", "top_p", "min_p"):

@@ -25,6 +25,7 @@ from verifier_service.rejection_sampler import (
     sparse_to_dense_draft_probs,
 )
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
+from verifier_service.seeded_verify import seeded_verify
 from verifier_service.sequence import FinishReason, Sequence
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
@@ -137,13 +138,24 @@ class Engine:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams, max_draft_tokens: int | None = None
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        max_draft_tokens: int | None = None,
+        output_offset: int = 0,
     ) -> None:
-        """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it)."""
+        """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
+        `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
+        seeded sampling's output positions start."""
         self._validate(request_id, prompt_ids, params)
         if max_draft_tokens is not None and max_draft_tokens < 0:
             raise RequestError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
-        seq = Sequence(request_id, list(prompt_ids), params, next(self._arrivals), max_draft_tokens=max_draft_tokens)
+        if not 0 <= output_offset <= len(prompt_ids):
+            raise RequestError(f"output_offset must lie in [0, {len(prompt_ids)}] (the prompt), got {output_offset}")
+        seq = Sequence(
+            request_id, list(prompt_ids), params, next(self._arrivals), max_draft_tokens, output_offset=output_offset
+        )
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -273,7 +285,9 @@ class Engine:
                 feature_start, features = seq.features.since(seq.num_features_sent)
                 seq.num_features_sent = seq.features.end
             k = s.k if s.samples else 0
-            requests.append(DraftRequest(seq.seq_id, committed, new, k, seq.params, features, feature_start))
+            requests.append(
+                DraftRequest(seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position)
+            )
             seq.num_sent_to_proposer = committed
         drafts = {}
         for (s, _), draft in zip(scheduled, self.drafter.propose(requests), strict=True):
@@ -314,18 +328,27 @@ class Engine:
                 assert draft is not None
                 ids = torch.tensor(draft.token_ids, dtype=torch.int64)
                 draft_ids[i, :k] = ids
-                draft_probs[i, :k] = self._dense_draft_probs(draft, ids, vocab)
+                if not rows[i][0].seq.params.is_seeded:  # seeded verification reads no draft probabilities
+                    draft_probs[i, :k] = self._dense_draft_probs(draft, ids, vocab)
         target_probs = self._target_probs(target_logits, [s.seq.params for s, _, _ in rows])
         failures = _bad_rows(target_logits, target_probs, num_drafts)
-        good = [i for i in range(len(rows)) if i not in failures]
         emitted: list[list[int] | str] = [failures.get(i, "") for i in range(len(rows))]
-        if good:
-            index = torch.tensor(good)
+        # Seeded rows: the token at each output position is fixed by (seed, position, target_probs); the
+        # others (unseeded, greedy) go through rejection sampling.
+        seeded = [i for i in range(len(rows)) if i not in failures and rows[i][0].seq.params.is_seeded]
+        rejection_rows = [i for i in range(len(rows)) if i not in failures and i not in seeded]
+        for i in seeded:
+            seq, k = rows[i][0].seq, int(num_drafts[i])
+            seed = seq.params.seed
+            assert seed is not None
+            emitted[i] = seeded_verify(target_probs[i, : k + 1], draft_ids[i, :k].tolist(), seed, seq.output_position)
+        if rejection_rows:
+            index = torch.tensor(rejection_rows)
             result = rejection_sample(
                 target_probs[index], draft_ids[index], draft_probs[index], num_drafts[index],
-                [rows[i][0].seq.generator for i in good],
+                [rows[i][0].seq.generator for i in rejection_rows],
             )  # fmt: skip
-            for j, i in enumerate(good):
+            for j, i in enumerate(rejection_rows):
                 n = int(result.num_accepted[j])
                 emitted[i] = result.output_token_ids[j, : n + 1].tolist()
         return emitted

@@ -358,6 +358,7 @@ class RemoteProposer:
                 full_sequence=len(r.new_token_ids) == r.committed_len,
                 k=max(0, k),
                 sampling_params=sampling_params_to_proto(r.params),
+                draft_position=r.draft_position,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))

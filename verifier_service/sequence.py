@@ -26,6 +26,9 @@ class Sequence:
     params: SamplingParams
     arrival: int  # admission order; preemption takes the newest first
     max_draft_tokens: int | None = None  # the request's own cap on k
+    # Output tokens emitted before this prompt's end (a request resumed on this verifier after a failover):
+    # seeded sampling counts output positions from here, so the resumed text is the uninterrupted one.
+    output_offset: int = 0
     tokens: list[int] = field(default_factory=list)  # prompt + output, all committed
     num_computed: int = 0  # tokens whose K/V are in the cache; the rest are fed next step
     num_cached_prompt: int | None = None  # prompt tokens found in the prefix cache at first admission
@@ -46,6 +49,11 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def output_position(self) -> int:
+        """Output position (0 = the request's first generated token) of the next token to sample."""
+        return self.output_offset + len(self.tokens) - len(self.prompt_ids)
 
     @property
     def num_uncomputed(self) -> int:

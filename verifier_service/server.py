@@ -173,7 +173,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prompt, params, max_draft = request_to_domain(
                 request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
             )
-            updates = self.loop.generate(request_id, prompt, params, max_draft)
+            updates = self.loop.generate(request_id, prompt, params, max_draft, request.output_offset)
             async with contextlib.aclosing(updates):
                 async for update in updates:
                     self.telemetry.request_update(traced, len(update.token_ids))

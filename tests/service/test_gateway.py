@@ -565,6 +565,8 @@ def test_request_resumes_on_another_verifier_when_its_verifier_dies(tokenizer):
             assert list(first_try.prompt_token_ids) == prompt and first_try.max_tokens == 20
             assert list(resumed.prompt_token_ids) == prompt + ids[:6]  # 3 chunks of 2 were sent before the failure
             assert resumed.max_tokens == 14
+            # Seeded sampling goes on from output position 6 on the new verifier.
+            assert first_try.output_offset == 0 and resumed.output_offset == 6
             assert resumed.request_id == first_try.request_id
             stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
             assert stats.resumed_requests == 1

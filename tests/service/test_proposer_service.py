@@ -205,7 +205,7 @@ def test_greedy_drafts_match_in_process_drafter_and_state_follows_deltas():
 
 def test_sampled_drafts_send_the_exact_sparse_distribution():
     reference = make_drafter()
-    params = SamplingParams(temperature=0.9, top_k=10, seed=123)
+    params = SamplingParams(temperature=0.9, top_k=10)  # unseeded: sampled from the drafter's own stream
 
     async def body(server, channel):
         stream = Stream(channel)
@@ -224,15 +224,34 @@ def test_sampled_drafts_send_the_exact_sparse_distribution():
         )
         got = unpack_draft(response.drafts[0], VOCAB)
         want = reference.propose([DraftRequest("s", 8, prompt, 4, params)])[0]
-        assert got.token_ids == want.token_ids and len(got.token_ids) == 4
+        assert len(got.token_ids) == 4
         msg = response.drafts[0]
         assert len(msg.draft_prob_counts) == 4 and all(0 < c <= 10 for c in msg.draft_prob_counts)  # zeros dropped
         assert got.probs is not None and want.probs is not None
         dense_got = sparse_to_dense_draft_probs(got.probs.token_ids[None], got.probs.probs[None], VOCAB)[0]
         dense_want = sparse_to_dense_draft_probs(want.probs.token_ids[None], want.probs.probs[None], VOCAB)[0]
-        assert torch.equal(dense_got, dense_want)  # bit-exact float32 over the wire
+        # The first position's distribution depends on the prompt only (the later ones on the sampled tokens).
+        assert torch.equal(dense_got[0], dense_want[0])  # bit-exact float32 over the wire
         assert torch.allclose(dense_got.sum(-1), torch.ones(4))
         assert all(dense_got[i, t] > 0 for i, t in enumerate(got.token_ids))
+        stream.call.cancel()
+
+    run(with_proposer(body))
+
+
+def test_seeded_drafts_follow_the_draft_position_sent_on_the_wire():
+    reference = make_drafter()
+    params = SamplingParams(temperature=0.9, top_k=10, seed=123)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    at = {p: reference.propose([DraftRequest(f"s{p}", 8, prompt, 4, params, draft_position=p)])[0] for p in (0, 5)}
+    assert at[0].token_ids != at[5].token_ids  # so the check below sees whether the position arrived
+
+    async def body(server, channel):
+        stream = Stream(channel)
+        sequence = seq("s", 8, prompt, 4, full=True, temperature=0.9, top_k=10, seed=123)
+        sequence.draft_position = 5
+        got = unpack_draft((await stream.send([sequence])).drafts[0], VOCAB)
+        assert got.token_ids == at[5].token_ids and got.probs is None  # seeded drafts send ids only
         stream.call.cancel()
 
     run(with_proposer(body))

@@ -365,11 +365,27 @@ def test_sampled_requests_are_reproducible_with_a_seed():
                 second, _ = await collect(stub, request(PROMPTS[0], 20, params=params))
                 assert first == second and len(first) == 20
                 assert 0 < m1[-1].usage.accepted_tokens <= m1[-1].usage.drafted_tokens
+                # A resume (prompt + emitted, output_offset = emitted) continues the same text, drafts or not.
+                resumed, _ = await collect(
+                    stub, request(PROMPTS[0] + first[:8], 12, params=params, output_offset=8, max_draft_tokens=0)
+                )
+                assert first[:8] + resumed == first
         finally:
             await verifier.shutdown(0.5)
             await proposer.shutdown(0.1)
 
     run(body())
+
+
+def test_the_remote_proposer_sends_the_draft_position():
+    """Seeded drafts need the output position of the first draft token (ProposeSequence.draft_position)."""
+    from shared.drafting import DraftRequest
+    from verifier_service.remote_proposer import RemoteProposer
+
+    params = SamplingParams(temperature=0.8, seed=3)
+    requests = [DraftRequest("s", 3, [1, 2, 3], 2, params, draft_position=7), DraftRequest("t", 2, [4, 5], 2)]
+    msg = RemoteProposer(["127.0.0.1:1"], vocab_size=VOCAB)._build_request(requests)
+    assert [s.draft_position for s in msg.sequences] == [7, 0]
 
 
 BAD_REQUESTS = [

@@ -152,7 +152,7 @@ def test_sampled_drafts_send_the_heads_distribution_over_the_subset(tmp_path, ta
     )
     tokens = [5, 9, 13]
     features = torch.randn(2, arch.hidden_size)
-    params = SamplingParams(temperature=1.0, seed=3)
+    params = SamplingParams(temperature=1.0)  # unseeded: seeded drafts use the target's noise (below)
     (draft,) = drafter.propose([DraftRequest("a", 3, tokens, 2, params, features, 0)])
     assert draft.probs is not None
     assert set(draft.probs.token_ids.flatten().tolist()) <= set(subset.tolist())
@@ -220,6 +220,27 @@ def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, targ
     outs = run(engine, ps, SamplingParams(max_tokens=24, ignore_eos=True))
     for i, p in enumerate(ps):
         assert outs[f"r{i}"] == hf_greedy(target_hf, p, 24, eos=False)
+    assert engine.stats.drafted_tokens > 0
+
+
+def test_seeded_drafts_use_the_targets_noise_and_leave_the_output_unchanged(tmp_path, target):
+    _, arch = target
+    subset = torch.arange(0, VOCAB, 2)
+    drafter = make_eagle_drafter(
+        str(make_head_dir(tmp_path, arch, subset)), *embeddings(target), num_blocks=256, block_size=4
+    )
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=20, ignore_eos=True)
+    features = torch.randn(2, arch.hidden_size)
+    drafts = [
+        drafter.propose([DraftRequest(f"a{p}", 3, [5, 9, 13], 2, params, features, 0, draft_position=p)])[0]
+        for p in range(6)
+    ]
+    assert all(d.probs is None and set(d.token_ids) <= set(subset.tolist()) for d in drafts)
+    assert len({tuple(d.token_ids) for d in drafts}) > 1  # the noise follows the draft position
+    ps = prompts(3, seed=13)
+    plain = run(engine_with_eagle(target, None, k=0), ps, params)
+    engine = engine_with_eagle(target, drafter, k=3)
+    assert run(engine, ps, params) == plain
     assert engine.stats.drafted_tokens > 0
 
 
