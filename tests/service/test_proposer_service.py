@@ -230,8 +230,16 @@ def test_sampled_drafts_send_the_exact_sparse_distribution():
         assert got.probs is not None and want.probs is not None
         dense_got = sparse_to_dense_draft_probs(got.probs.token_ids[None], got.probs.probs[None], VOCAB)[0]
         dense_want = sparse_to_dense_draft_probs(want.probs.token_ids[None], want.probs.probs[None], VOCAB)[0]
-        # The first position's distribution depends on the prompt only (the later ones on the sampled tokens).
+        # The first position's distribution depends on the prompt only: the same computation, bit-exact.
         assert torch.equal(dense_got[0], dense_want[0])  # bit-exact float32 over the wire
+        # Each later one is the draft model's (truncated) distribution after the tokens it drew before it: the
+        # first-position distribution of a fresh sequence whose prompt ends with them (one longer prefill, so
+        # float rounding may differ in the last bits).
+        for i in range(1, 4):
+            after = reference.propose([DraftRequest(f"r{i}", 8 + i, prompt + got.token_ids[:i], 1, params)])[0]
+            assert after.probs is not None
+            dense_after = sparse_to_dense_draft_probs(after.probs.token_ids[None], after.probs.probs[None], VOCAB)[0]
+            assert torch.allclose(dense_got[i], dense_after[0], atol=1e-5), i
         assert torch.allclose(dense_got.sum(-1), torch.ones(4))
         assert all(dense_got[i, t] > 0 for i, t in enumerate(got.token_ids))
         stream.call.cancel()
