@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -147,6 +147,42 @@ def check_secured(address: str, s: Secrets) -> list[str]:
 
 
 @dataclass
+class Timed(Measurement):
+    """A measurement with the CPU time its stack's service processes used meanwhile: the work done per token,
+    which, unlike wall time, hardly grows when other jobs take the cores."""
+
+    cpu_s: dict[str, float] = field(default_factory=dict)  # role -> user + system seconds, every thread
+
+    def summary(self) -> dict:
+        def per_token(*roles: str) -> float | None:
+            got = [self.cpu_s[r] for r in roles if r in self.cpu_s]
+            return 1e3 * sum(got) / self.tokens if got else None
+
+        return super().summary() | {
+            "cpu_ms_per_token": per_token("gateway", "verifier", "proposer"),
+            "gateway_cpu_ms_per_token": per_token("gateway"),
+            "verifier_cpu_ms_per_token": per_token("verifier", "proposer"),
+        }
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """utime + stime of each of the stack's processes (/proc/PID/stat fields 14, 15); {} where there is no /proc."""
+    out = {}
+    for p in stack.procs:
+        try:
+            fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()  # type: ignore[union-attr]
+        except (OSError, AttributeError):
+            return {}
+        out[p.name.rsplit("-", 1)[1]] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return out
+
+
+def combine(ms: list[Timed]) -> Timed:
+    cpu = {r: sum(m.cpu_s.get(r, 0.0) for m in ms) for r in ms[0].cpu_s}
+    return Timed(sum(m.wall_s for m in ms), [t for m in ms for t in m.traces], cpu)
+
+
+@dataclass
 class Plan:
     runs: int
     max_tokens: int
@@ -156,9 +192,12 @@ class Plan:
 def run_benchmark(
     pairs: dict[str, dict[str, Stack]], s: Secrets, prompts: list[list[int]], plan: Plan, log: Progress
 ) -> dict:
-    def measure(key: str, stack: Stack, ps: list[list[int]], clients: int, max_tokens: int) -> Measurement:
+    def measure(key: str, stack: Stack, ps: list[list[int]], clients: int, max_tokens: int) -> Timed:
         tls, metadata = (s.public_client(), s.metadata) if key == "b" else (None, ())
-        return asyncio.run(run_gateway(stack.gateway.address, ps, clients, max_tokens, 0.0, tls, metadata))
+        before = cpu_seconds(stack)
+        m = asyncio.run(run_gateway(stack.gateway.address, ps, clients, max_tokens, 0.0, tls, metadata))
+        after = cpu_seconds(stack)
+        return Timed(m.wall_s, m.traces, {r: after[r] - before[r] for r in before if r in after})
 
     log("warm-up (8 tokens per stack)")
     for pair in pairs.values():
@@ -171,14 +210,11 @@ def run_benchmark(
             for clients in CLIENTS:
                 if clients == 1:  # a different pair of prompts every run, (a) and (b) request by request
                     ps = [prompts[(run * plan.batch1_prompts + j) % len(prompts)] for j in range(plan.batch1_prompts)]
-                    parts: dict[str, list[Measurement]] = {"a": [], "b": []}
+                    parts: dict[str, list[Timed]] = {"a": [], "b": []}
                     for j, p in enumerate(ps):
                         for key in ("a", "b") if (run + j) % 2 == 0 else ("b", "a"):
                             parts[key].append(measure(key, pair[key], [p], 1, plan.max_tokens))
-                    got = {
-                        k: Measurement(sum(m.wall_s for m in ms), [t for m in ms for t in m.traces])
-                        for k, ms in parts.items()
-                    }
+                    got = {k: combine(ms) for k, ms in parts.items()}
                 else:
                     order = ("a", "b") if run % 2 == 0 else ("b", "a")
                     got = {k: measure(k, pair[k], prompts[:clients], clients, plan.max_tokens) for k in order}
@@ -187,12 +223,14 @@ def run_benchmark(
                     x = m.summary()
                     log(
                         f"run {run + 1}/{plan.runs} {kind} clients {clients} {CONFIGS[key]}: {x['tokens']} tokens, "
-                        f"{x['tokens_per_s']:.1f} tok/s, TPOT {_fmt(x['tpot_ms'], '.1f')} ms"
+                        f"{x['tokens_per_s']:.1f} tok/s, TPOT {_fmt(x['tpot_ms'], '.1f')} ms, "
+                        f"service CPU {_fmt(x['cpu_ms_per_token'], '.1f')} ms/token"
                     )
     return summarise(results)
 
 
-NAMES = ("tokens_per_s", "tpot_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms")
+NAMES = ("tokens_per_s", "tpot_ms", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "cpu_ms_per_token")
+CPU_NAMES = ("cpu_ms_per_token", "gateway_cpu_ms_per_token", "verifier_cpu_ms_per_token")
 
 
 def summarise(results: dict[tuple[str, int, str], list[Measurement]]) -> dict:
@@ -201,7 +239,10 @@ def summarise(results: dict[tuple[str, int, str], list[Measurement]]) -> dict:
     checks: list[str] = []
     for kind, clients, key in sorted(results, key=lambda k: (list(STACK_LABELS).index(k[0]), k[1], k[2])):
         sums = [m.summary() for m in results[(kind, clients, key)]]
-        rows.append({"stack": kind, "clients": clients, "key": key} | {n: _median([x[n] for x in sums]) for n in NAMES})
+        rows.append(
+            {"stack": kind, "clients": clients, "key": key}
+            | {n: _median([x.get(n) for x in sums]) for n in NAMES + CPU_NAMES}
+        )
         if key != "b":
             continue
         a_runs, b_runs = results[(kind, clients, "a")], results[(kind, clients, "b")]
@@ -210,7 +251,7 @@ def summarise(results: dict[tuple[str, int, str], list[Measurement]]) -> dict:
         for a, b in zip(a_runs, b_runs, strict=True):
             sa, sb = a.summary(), b.summary()
             for n in NAMES:
-                if sa[n] and sb[n] is not None:
+                if sa.get(n) and sb.get(n) is not None:
                     ratios[n].append(sb[n] / sa[n])
             for ta, tb in zip(a.traces, b.traces, strict=True):
                 same += ta.ids == tb.ids
@@ -268,29 +309,31 @@ def render(summary: dict, meta: dict) -> str:
         f"another, (a) and (b) alternating request by request; 8 clients: 8 prompts at once, (a) and (b) "
         f"alternating; {meta['runs']} run(s), the first of each pair swapping from run to run; medians over runs",
         "",
-        "| stack | clients | configuration | tokens/s | TPOT ms | ITL p50 ms | ITL p99 ms | TTFT p50 ms |",
-        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| stack | clients | configuration | tokens/s | TPOT ms | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
+        "| service CPU ms/token: all | gateway | verifier |",
+        "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in summary["rows"]:
         out.append(
             f"| {STACK_LABELS[r['stack']]} | {r['clients']} | {CONFIGS[r['key']]} | {_fmt(r['tokens_per_s'], '.1f')} "
             f"| {_fmt(r['tpot_ms'], '.1f')} | {_fmt(r['itl_p50_ms'], '.1f')} | {_fmt(r['itl_p99_ms'], '.1f')} "
-            f"| {_fmt(r['ttft_p50_ms'], '.0f')} |"
+            f"| {_fmt(r['ttft_p50_ms'], '.0f')} | " + " | ".join(_fmt(r[n], ".1f") for n in CPU_NAMES) + " |"
         )
     out += [
         "",
         f"### Overhead (b)/(a), medians of the per-run ratios (target: at most {OVERHEAD_TARGET:.0%} per token)",
         "",
         "| stack | clients | TPOT (b)/(a) | tokens/s (b)/(a) | ITL p50 (b)/(a) | ITL p99 (b)/(a) | TTFT (b)/(a) "
-        "| TPOT ratio per run | result |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
+        "| service CPU/token (b)/(a) | TPOT ratio per run | result |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |",
     ]
     for o in summary["overhead"]:
         per_run = ", ".join(f"{x:.3f}" for x in o["runs"]["tpot_ms"])
         out.append(
             f"| {STACK_LABELS[o['stack']]} | {o['clients']} | "
             + " | ".join(
-                _fmt(o[n], ".3f") for n in ("tpot_ms", "tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms")
+                _fmt(o[n], ".3f")
+                for n in ("tpot_ms", "tokens_per_s", "itl_p50_ms", "itl_p99_ms", "ttft_p50_ms", "cpu_ms_per_token")
             )
             + f" | {per_run} | {'PASS' if o['pass'] else 'FAIL'} |"
         )
@@ -310,7 +353,9 @@ check (a stat of the key file, a SHA-256, a constant-time compare). Per connecti
 gateway's channel to the verifier stays open, but this client opens a new channel for every measurement (each
 1-client request, each 8-client batch), so TTFT of (b) includes a handshake and TTFT (b)/(a) is an upper
 bound. All processes share the 2 cores with each other and with other jobs: a ratio inside the per-run spread
-is not resolved on this machine."""
+is not resolved on this machine. Service CPU ms/token is the user + system CPU time of the stack's processes
+(gateway; verifier, and proposer with --draft) during the measurement, over its tokens: the work each
+configuration does, which grows much less than wall time when other jobs take the cores."""
 
 
 def main(argv: list[str] | None = None) -> int:
