@@ -33,10 +33,12 @@ test: $(STAMP)
 test-full: $(STAMP)
 	SPECDEC_FULL_MATRIX=1 $(PY) -m pytest
 
-# Engine in-process, then the same workloads through the gateway; each writes its section of docs/BENCHMARKS.md.
+# Engine in-process, then the same workloads through the gateway, then the gateway stack with TLS + mutual TLS +
+# an API key beside plaintext; each writes its section of docs/BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) -m specdec_bench.engine_bench
 	$(PY) -m specdec_bench.gateway_bench
+	$(PY) -m specdec_bench.secure_bench
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench

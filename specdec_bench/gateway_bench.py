@@ -55,6 +55,7 @@ from gateway.health_probe import check_once
 from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
+from shared.tls import ClientTLS, aio_channel, sync_channel
 from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
 
@@ -169,6 +170,7 @@ class Proc:
 class Stack:
     name: str
     procs: list[Proc] = field(default_factory=list)
+    tls: ClientTLS | None = None  # how this script reaches the services (secure_bench: mutual TLS)
 
     @property
     def gateway(self) -> Proc:
@@ -181,7 +183,7 @@ class Stack:
     def wait_ready(self, deadline: float) -> None:
         for p in self.procs:
             service = "specdec.v1.Gateway" if p is self.gateway else ""
-            while not check_once(p.address, service)[0]:
+            while not check_once(p.address, service, tls=self.tls)[0]:
                 if p.proc is not None and p.proc.poll() is not None:
                     raise RuntimeError(f"{p.name} exited with {p.proc.returncode}:\n{p.tail()}")
                 if time.monotonic() > deadline:
@@ -194,7 +196,7 @@ class Stack:
                 time.sleep(0.5)
 
     def verifier_stats(self) -> verifier_pb2.VerifierGetStatsResponse:
-        with grpc.insecure_channel(self.verifier.address) as ch:
+        with sync_channel(self.verifier.address, self.tls) as ch:
             return verifier_pb2_grpc.VerifierStub(ch).GetStats(verifier_pb2.VerifierGetStatsRequest(), timeout=30)
 
 
@@ -341,17 +343,24 @@ class Measurement:
 
 
 async def run_gateway(
-    address: str, prompts: Sequence[list[int]], clients: int, max_tokens: int, temperature: float = 0.0
+    address: str,
+    prompts: Sequence[list[int]],
+    clients: int,
+    max_tokens: int,
+    temperature: float = 0.0,
+    tls: ClientTLS | None = None,
+    metadata: Sequence[tuple[str, str]] = (),
 ) -> Measurement:
     """`clients` concurrent clients work through the prompts (each client one request at a time). At T > 0
-    each request is seeded by its prompt's index, the same in every configuration."""
+    each request is seeded by its prompt's index, the same in every configuration. `tls` and `metadata` (an
+    API key) are secure_bench's client."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
     traces: list[tuple[int, Trace]] = []
     order = {id(p): i for i, p in enumerate(prompts)}
 
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, tls) as channel:
         stub = gateway_pb2_grpc.GatewayStub(channel)
 
         async def client() -> None:
@@ -363,7 +372,7 @@ async def run_gateway(
                 if temperature > 0:
                     request.seed = 1000 + order[id(prompt)]
                 trace = Trace(time.perf_counter())
-                async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S):
+                async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=tuple(metadata)):
                     now = time.perf_counter()
                     if msg.token_ids:
                         trace.times.append(now)
