@@ -160,7 +160,8 @@ def build(tmp_path) -> Stack:
             "gateway",
             "specdec-gateway",
             gateway_port,
-            ["--verifiers", f"{HOST}:{verifier_port}", "--tokenizer", default_target_model()],
+            # --expose-backends: the harness waits for a healthy verifier in the gateway's GetStats.
+            ["--verifiers", f"{HOST}:{verifier_port}", "--tokenizer", default_target_model(), "--expose-backends"],
         ),
     ]
     return stack
