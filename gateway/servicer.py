@@ -46,7 +46,7 @@ from shared.proto_gen.specdec.v1 import (
     gateway_pb2_grpc,
     verifier_pb2,
 )
-from shared.request_ids import check_request_id, new_internal_id
+from shared.request_ids import checked_or_empty, new_internal_id
 from shared.telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -249,8 +249,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         # Our own id keys the request everywhere (verifiers, proposer, logs); the client's, checked below, is
         # only echoed back and recorded beside it.
         internal_id = new_internal_id()
-        client_id = _acceptable_request_id(fields.request_id)
-        session_id = _acceptable_request_id(fields.session_id)  # unchecked text stays out of spans
+        # check_fields refuses an id that fails the checks; until then it stays out of logs and spans
+        client_id = checked_or_empty(fields.request_id)
+        session_id = checked_or_empty(fields.session_id)
         traced = self.telemetry.request_started(internal_id, session_id, grant.name, client_id)
         run = _RequestRun(internal_id, traced, started, client_id or internal_id, live_calls=live_calls, grant=grant)
         try:
@@ -509,14 +510,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             num_steps=acct.steps,
             mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
         )
-
-
-def _acceptable_request_id(value: str) -> str:
-    """The client's id if it passes the checks (else '': check_fields then refuses the request)."""
-    try:
-        return check_request_id(value)
-    except InvalidRequestError:
-        return ""
 
 
 def _set_final(response: Any, final: Final) -> None:

@@ -28,5 +28,13 @@ def check_request_id(value: str, name: str = "request_id") -> str:
     return value
 
 
+def checked_or_empty(value: str) -> str:
+    """`value` if check_request_id accepts it, else '' (for logs and spans before the request is refused)."""
+    try:
+        return check_request_id(value)
+    except InvalidRequestError:
+        return ""
+
+
 def new_internal_id() -> str:
     return uuid.uuid4().hex

@@ -301,7 +301,7 @@ class Engine:
                 continue
             if draft.token_ids:
                 drafts[draft.seq_id] = _trim(draft, s.k)
-        return drafts, len(scheduled) > len([1 for s, _ in scheduled if s.samples])
+        return drafts, any(not s.samples for s, _ in scheduled)
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq

@@ -24,7 +24,7 @@ from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
 from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
-from shared.request_ids import check_request_id, new_internal_id
+from shared.request_ids import check_request_id, checked_or_empty, new_internal_id
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
@@ -127,13 +127,6 @@ def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
     )
 
 
-def _acceptable_request_id(value: str) -> str:
-    try:
-        return check_request_id(value)
-    except InvalidRequestError:
-        return ""  # Generate refuses the request with the reason
-
-
 # ---- the servicer -------------------------------------------------------------------------------
 
 
@@ -163,7 +156,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         # The engine and the proposer key requests by our own id: two callers that send the same id must not
         # collide. The caller's id, once checked, is kept beside it in logs and the span.
         request_id = new_internal_id()
-        caller_id = _acceptable_request_id(request.request_id)
+        caller_id = checked_or_empty(request.request_id)  # a bad one is refused below, with the reason
         started = time.monotonic()
         traced = self.telemetry.request_started(
             request_id, request.session_id, len(request.prompt_token_ids), caller_id

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import itertools
 import os
-import random
 
 import pytest
 import torch
@@ -19,12 +18,11 @@ from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.seeded import gumbel_noise, position_seed, seeded_tokens
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.tiny import ours, tiny_hf_model
+from tests.unit.test_engine import VOCAB, prompts
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.seeded_verify import seeded_verify
 
 FULL_MATRIX = os.environ.get("SPECDEC_FULL_MATRIX") == "1"
-VOCAB = 96
-EOS = VOCAB - 1
 MAX_TOKENS = 24
 SEEDS = (7, 1234)
 
@@ -47,11 +45,6 @@ def weak_draft_hf():
 @pytest.fixture(scope="module")
 def weak_draft(weak_draft_hf):
     return ours(weak_draft_hf)
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, EOS) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
 
 
 def make_engine(target, drafter=None, k=3, adaptive_k=False, prefix_cache=True, num_blocks=None, max_num_seqs=8):
