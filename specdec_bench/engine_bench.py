@@ -16,6 +16,8 @@ configuration on the same prompts with the same forced number of new tokens, rep
     (d'), (e') the engine's default adaptive draft length with the draft model (k <= 4) and n-gram (k <= 8)
     (g) our engine with the EAGLE head (fed the target's hidden states), k = 4, and (g') adaptive k <= 6,
         general prompts; left out, with a message, when the head's folder (--eagle-head) does not exist
+    seeded (d4s, es): (d) k = 4 and (e) k = 4 with a seed per request, i.e. coupled verification, at
+        T = 0.8 only, beside the unseeded rows (rejection sampling) of the same run
 
 It also measures the draft/target forward cost ratio c and compares (d)/(c) with the textbook prediction
 (1 - a^(k+1)) / ((1 - a)(k c + 1)) (Leviathan et al. 2023), a = measured per-token acceptance rate; for the
@@ -86,6 +88,10 @@ class Config:
     batch1_only: bool = False
     optional: bool = False  # run only with --hf-quoting
     adaptive: bool = False  # the engine's adaptive draft length (its default); the labelled k rows fix k
+    # Requests carry a seed: coupled (Gumbel-max) verification instead of rejection sampling (docs/engine.md).
+    # Sampled temperatures only; `unseeded` is the same drafter and k without seeds, for the side-by-side table.
+    seeded: bool = False
+    unseeded: str = ""
 
     @property
     def baseline_hf(self) -> str:
@@ -115,9 +121,13 @@ CONFIGS: tuple[Config, ...] = (
         6,
         adaptive=True,
     ),
+    Config("d4s", "(d) engine + draft, k=4, seeded", "general", "engine", "draft", 4, seeded=True, unseeded="d4"),
     Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
     Config("cq", "(c) engine k=0 [quoting]", "quoting", "engine"),
     Config("e", "(e) engine + n-gram, k=4 [quoting]", "quoting", "engine", "ngram", 4),
+    Config(
+        "es", "(e) engine + n-gram, k=4, seeded [quoting]", "quoting", "engine", "ngram", 4, seeded=True, unseeded="e"
+    ),
     Config("e8", "(e) engine + n-gram, k=8 [quoting]", "quoting", "engine", "ngram", 8),
     Config(
         "ea",
@@ -215,7 +225,7 @@ def chat_ids(tokenizer, prompt: str) -> list[int]:
 # ---- one configuration ------------------------------------------------------------------------------------
 
 
-def sampling_params(temperature: float, max_tokens: int, seed: int) -> SamplingParams:
+def sampling_params(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
@@ -256,7 +266,9 @@ def run_engine(
         for g, group in enumerate(groups):
             for i, ids in enumerate(group):
                 n = g * batch + i
-                engine.add_request(str(n), ids, sampling_params(temperature, max_tokens, seed + n))
+                # Unseeded rows sample as most traffic does (rejection sampling from the engine's generator).
+                request_seed = seed + n if cfg.seeded else None
+                engine.add_request(str(n), ids, sampling_params(temperature, max_tokens, request_seed))
             while engine.has_unfinished():
                 for out in engine.step():
                     # the accepted drafts are a prefix of the drafted ones: positions 0..num_accepted-1
@@ -478,9 +490,10 @@ def select_configs(only: str, hf_quoting: bool, eagle: bool, eagle_dir: str = ""
         picked = set(wanted)
         for key in wanted:
             cfg = CONFIG_BY_KEY[key]
-            if cfg.kind == "engine" and cfg.baseline_engine not in picked:
-                picked.add(cfg.baseline_engine)
-                notes.append(f"added {cfg.baseline_engine} (the baseline of {key})")
+            for base in (cfg.baseline_engine if cfg.kind == "engine" else "", cfg.unseeded):
+                if base and base not in picked:
+                    picked.add(base)
+                    notes.append(f"added {base} (the baseline of {key})")
         if not eagle and any(CONFIG_BY_KEY[k].drafter == "eagle" for k in picked):
             raise SystemExit(
                 f"--only asks for EAGLE rows but there is no head at {eagle_dir or '?'} (no config.json): "
@@ -531,7 +544,9 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
 
     groups = [(b, t) for b in BATCH_SIZES for t in TEMPERATURES]
     wanted = [CONFIG_BY_KEY[k] for k in plan.keys]
-    active = {(b, t): [c for c in wanted if not (c.batch1_only and b > 1)] for b, t in groups}
+    active = {
+        (b, t): [c for c in wanted if not (c.batch1_only and b > 1) and not (c.seeded and t == 0)] for b, t in groups
+    }
 
     def prompts_for(cfg: Config, batch: int, run: int) -> list[list[int]]:
         """Batch 8: the 8 prompts of the set. Batch 1: `batch1_prompts` of them, the next ones each run."""
@@ -595,6 +610,11 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
                     a / d if d else None for a, d in zip(pos_accepted, pos_drafted, strict=True)
                 ]
                 row["position_drafted"] = pos_drafted
+            if cfg.unseeded in keys:
+                bm = results[(batch, temperature, cfg.unseeded)]
+                row["vs_unseeded"] = statistics.median(
+                    m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bm, strict=True)
+                )
             same_k = {"g4": "d4"}.get(cfg.key)  # the draft model at the same fixed k, for (g)/(d)
             if same_k and same_k in keys:
                 bm = results[(batch, temperature, same_k)]
@@ -609,7 +629,7 @@ def summarise(results, costs, active, plan: Plan, models: Models) -> dict:
                     a = per_token_alpha(row["mean_accepted_length"] - 1, cfg.k)
                     row["predicted_v"] = predicted_speedup(a, cfg.k, row["draft_cost"], cost["verify_cost"][cfg.k])
             row["rss_delta_mib"] = statistics.median(m.rss_delta for m in ms) / MiB
-            if cfg.drafter == "draft" and not cfg.adaptive:
+            if cfg.drafter == "draft" and not cfg.adaptive and not cfg.seeded:  # the formula is rejection sampling
                 cost = costs[batch]
                 a = per_token_alpha(row["mean_accepted_length"] - 1, cfg.k)
                 row["alpha"] = a
@@ -736,6 +756,7 @@ def render(summary: dict, meta: dict) -> str:
             f"| {r['prediction_rel_diff_v']:+.0%} |"
         )
     out += render_drafting(summary)
+    out += render_seeded(summary)
     out += ["", "### Targets", "", "| target | batch | T | measured | result |", "| --- | ---: | ---: | ---: | --- |"]
     by = {(r["batch"], r["temperature"], r["key"]): r for r in rows}
     for b in BATCH_SIZES:
@@ -805,6 +826,45 @@ def render_drafting(summary: dict) -> list[str]:
         "c (draft model) or c_eagle (head) at that batch, measured above; the EAGLE head's rounds also include "
         "one catch-up forward over the newly committed tokens, which c_eagle leaves out. × (d) k=4 is (g) "
         "against the draft model at the same fixed k in the same run.",
+    ]
+    return out
+
+
+def render_seeded(summary: dict) -> list[str]:
+    """Seeded rows beside their unseeded twins: the acceptance that coupled verification costs or gains."""
+    by = {(r["batch"], r["temperature"], r["key"]): r for r in summary["rows"]}
+    pairs = [
+        (r, by[(r["batch"], r["temperature"], CONFIG_BY_KEY[r["key"]].unseeded)])
+        for r in summary["rows"]
+        if CONFIG_BY_KEY[r["key"]].seeded and (r["batch"], r["temperature"], CONFIG_BY_KEY[r["key"]].unseeded) in by
+    ]
+    if not pairs:
+        return []
+    out = [
+        "",
+        "### Seeded (coupled) vs unseeded (rejection) sampling, same run",
+        "",
+        "| drafter | batch | T | acceptance unseeded / seeded | mean acc. len unseeded / seeded "
+        "| tokens/s unseeded / seeded | seeded × unseeded |",
+        "| --- | ---: | ---: | --- | --- | --- | ---: |",
+    ]
+    for seeded, unseeded in pairs:
+
+        def both(name: str, spec: str) -> str:
+            return f"{_fmt(unseeded.get(name), spec)} / {_fmt(seeded.get(name), spec)}"  # noqa: B023
+
+        out.append(
+            f"| {unseeded['label']} | {seeded['batch']} | {seeded['temperature']:g} | {both('acceptance_rate', '.3f')} "
+            f"| {both('mean_accepted_length', '.2f')} | {both('tokens_per_s', '.1f')} "
+            f"| {_fmt(seeded.get('vs_unseeded'), '.2f')} |"
+        )
+    out += [
+        "",
+        'A request with a `seed` is verified by coupling (docs/engine.md, "Seeded sampling"): the emitted token '
+        "is argmax(log target_probs + Gumbel noise keyed by (seed, position)) and a draft token is accepted only "
+        "when it equals that token; the draft model draws its proposal with the same noise, the n-gram drafter "
+        "cannot. Unseeded requests use rejection sampling, which accepts a draft token with probability "
+        "min(1, target/draft).",
     ]
     return out
 

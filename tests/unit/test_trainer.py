@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import random
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from safetensors import safe_open
 
 from specdec_train.__main__ import main
 from specdec_train.report import frequency_subset
+from specdec_train.train import TrainConfig, make_batches
 
 
 def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
@@ -48,3 +50,23 @@ def test_frequency_subset_ranks_by_count_then_id():
 def test_help():
     result = subprocess.run([sys.executable, "-m", "specdec_train", "--help"], capture_output=True, text=True)
     assert result.returncode == 0 and "--quick" in result.stdout and "--time-budget-min" in result.stdout
+
+
+def test_batches_score_only_positions_that_draft_generated_tokens():
+    """Position j drafts token j + 2: with a 5-token prompt the first scored position is 4, and a window that
+    lies wholly inside a long prompt is left out; score_prompt=True scores every position with a target."""
+
+    def sample(n_tokens: int, prompt_len: int) -> dict:
+        return {
+            "tokens": torch.arange(n_tokens, dtype=torch.int32),
+            "features": torch.randn(n_tokens - 1, 4).half(),
+            "prompt_len": prompt_len,
+        }
+
+    config = TrainConfig(batch_size=1, max_len=8)
+    (batch,) = make_batches([sample(9, 5)], config, random.Random(0))  # 8 positions: one window
+    assert batch.valid[0].tolist() == [False] * 4 + [True] * 3 + [False]
+    both = make_batches([sample(17, 12)], config, random.Random(0))  # windows [0, 8) and [8, 16)
+    assert [b.valid[0].tolist() for b in both] == [[False] * 3 + [True] * 4 + [False]]  # the second only
+    (every,) = make_batches([sample(9, 5)], TrainConfig(batch_size=1, max_len=8, score_prompt=True), random.Random(0))
+    assert every.valid[0].tolist() == [True] * 7 + [False]
