@@ -5,8 +5,8 @@ in-process engine.
 
 Starts real service processes on loopback (as tests/e2e does) and sends the engine benchmark's chat prompts
 (specdec_bench.prompts, chat template applied by engine_bench.chat_ids) through the gateway with grpc.aio,
-greedy (and T = 0.8, seeded per prompt, for the rows marked so), EOS ignored so every request generates
-exactly --max-tokens tokens:
+greedy (and T = 0.8 without a seed, i.e. rejection sampling, for the rows marked so), EOS ignored so every
+request generates exactly --max-tokens tokens:
 
     target only       verifier without --proposer (k = 0) + gateway                    general prompts, T 0, 0.8
     draft model, k=4  proposer (draft model) + verifier (--num-speculative-tokens 4 --no-adaptive-k) + gateway
@@ -351,9 +351,10 @@ async def run_gateway(
     tls: ClientTLS | None = None,
     metadata: Sequence[tuple[str, str]] = (),
 ) -> Measurement:
-    """`clients` concurrent clients work through the prompts (each client one request at a time). At T > 0
-    each request is seeded by its prompt's index, the same in every configuration. `tls` and `metadata` (an
-    API key) are secure_bench's client."""
+    """`clients` concurrent clients work through the prompts (each client one request at a time). Sampled
+    requests carry no seed, as most traffic: a seed would switch verification to coupling (docs/engine.md,
+    "Seeded sampling"), which engine_bench measures beside rejection sampling. `tls` and `metadata` (an API
+    key) are secure_bench's client."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -369,8 +370,6 @@ async def run_gateway(
                 request = gateway_pb2.GenerateRequest(
                     prompt_token_ids=prompt, max_tokens=max_tokens, temperature=temperature, ignore_eos=True
                 )
-                if temperature > 0:
-                    request.seed = 1000 + order[id(prompt)]
                 trace = Trace(time.perf_counter())
                 async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=tuple(metadata)):
                     now = time.perf_counter()
@@ -683,7 +682,8 @@ def render(summary: dict, meta: dict) -> str:
         f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens), except the adaptive rows "
         f"(`--num-speculative-tokens {K_ADAPTIVE} --adaptive-k`, the engine default policy); the EAGLE proposer is "
         "`--kind eagle --model HEAD --target-model TARGET`",
-        f"- Work: greedy (T = {SAMPLED_T:g} where the row says so, seeded per prompt), {meta['max_tokens']} new "
+        f"- Work: greedy (T = {SAMPLED_T:g} unseeded, i.e. rejection sampling, where the row says so), "
+        f"{meta['max_tokens']} new "
         f"tokens per request (EOS ignored); 1 client: {meta['batch1_prompts']} prompt(s) one after another; "
         f"8 clients: 8 prompts at once; {meta['runs']} run(s), median reported; prompts: the engine benchmark's "
         "(`specdec_bench.prompts`)" + (f"; rows run: {', '.join(meta['keys'])} (`--only`)" if meta.get("only") else ""),
