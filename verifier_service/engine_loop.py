@@ -198,9 +198,7 @@ class EngineLoop:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
-            self.engine.add_request(
-                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs
-            )
+            self.engine.add_request(request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs)
             self._requests[request_id] = tracked
             self._idle.clear()
         self._wake.set()
