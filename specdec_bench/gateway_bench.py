@@ -265,6 +265,7 @@ def build_stacks(
         stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log"))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
         gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
+        gateway += ["--http-port", "0"]
         cmd = _command("specdec-gateway", "gateway.server") + gateway
         stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log"))
         stacks[name] = stack

@@ -15,9 +15,7 @@ import torch
 from proposer_service.ngram import NgramDrafter
 from shared.logprobs import TokenLogprob
 from shared.model.build import CacheConfig
-from shared.model.loader import load_hf_model
 from shared.sampling import SamplingParams
-from shared.settings import default_target_model
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from verifier_service.engine import EngineConfig
 
@@ -29,11 +27,6 @@ MAX_TOKENS = 24
 ALL = [(kind, t, seed) for kind in ("draft", "ngram") for t, seed in ((0.0, None), (0.8, None), (0.8, 1234))]
 # CI: each drafter, greedy, unseeded and seeded sampling once; `make test-full` the whole cross product.
 CASES = ALL if os.environ.get("SPECDEC_FULL_MATRIX") == "1" else [ALL[0], ALL[1], ALL[5]]
-
-
-@pytest.fixture(scope="module")
-def hf_target():
-    return load_hf_model(default_target_model())
 
 
 def hf_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:  # [len(output), vocab]
