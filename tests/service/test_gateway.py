@@ -178,7 +178,9 @@ class Harness:
             "enable_reflection": True,
             **config,
         }
-        self.config = GatewayConfig(verifiers=self.verifiers, host="127.0.0.1", port=0, http_port=0, drain_timeout_s=0.5, **settings)
+        self.config = GatewayConfig(
+            verifiers=self.verifiers, host="127.0.0.1", port=0, http_port=0, drain_timeout_s=0.5, **settings
+        )
         self.gateway: RunningGateway
         self.channel: grpc.aio.Channel
         self.stub: gateway_pb2_grpc.GatewayStub

@@ -115,9 +115,7 @@ def chat_prompt_ids(tokenizer) -> list[int]:
     return list(tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True)["input_ids"])
 
 
-def test_openai_client_chat_and_completions_match_grpc_transformers_and_the_openai_types(
-    target, tokenizer, hf_target
-):
+def test_openai_client_chat_and_completions_match_grpc_transformers_and_the_openai_types(target, tokenizer, hf_target):
     async def scenario() -> None:
         async with real_stack(target, tokenizer) as stack:
             client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
