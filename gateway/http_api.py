@@ -36,6 +36,7 @@ from shared.errors import (
     InvalidRequestError,
     NotFoundError,
     SpecdecError,
+    UnavailableError,
     grpc_trailing_metadata_for,
     http_status_for_grpc_code,
 )
@@ -140,8 +141,9 @@ class _Api:
         return {"object": "list", "data": [entry]}
 
     async def health(self) -> Any:
-        healthy = self.core.pool.healthy_count()
-        return JSONResponse({"status": "ok" if healthy else "unavailable"}, status_code=200 if healthy else 503)
+        if not self.core.pool.healthy_count():
+            return error_response(UnavailableError("no verifier is healthy: requests would fail now"))
+        return {"status": "ok"}
 
     # -- one request -------------------------------------------------------------------------------
 
