@@ -71,7 +71,8 @@ def test_bad_requests_unknown_models_and_paths(tokenizer):
         async with harness(tokenizer, [fs]) as h, httpx.AsyncClient(base_url=h.gateway.http_url) as http:
             for path, body, words in BAD_BODIES:
                 assert_error(await http.post(path, json=body), 400, "invalid_request_error", words)
-            reply = await http.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+            json_type = {"content-type": "application/json"}
+            reply = await http.post("/v1/completions", content=b"{not json", headers=json_type)
             assert_error(reply, 400, "invalid_request_error")
             error = assert_error(
                 await http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"}), 404, "not_found_error"
@@ -145,10 +146,10 @@ def test_api_keys_rate_limits_and_unavailable_verifiers(tokenizer, tmp_path):
             reply = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "stream": True})
             assert_error(reply, 500, "server_error", "the verifier broke")
 
-        async with harness(tokenizer, [], extra=[f"127.0.0.1:{free_port()}"]) as h:  # nothing listens there
-            async with httpx.AsyncClient(base_url=h.gateway.http_url) as http:
-                reply = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
-                assert_error(reply, 503, "service_unavailable_error")
-                assert_error(await http.get("/health"), 503, "service_unavailable_error")
+        nobody = [f"127.0.0.1:{free_port()}"]  # nothing listens there
+        async with harness(tokenizer, [], extra=nobody) as h, httpx.AsyncClient(base_url=h.gateway.http_url) as http:
+            reply = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
+            assert_error(reply, 503, "service_unavailable_error")
+            assert_error(await http.get("/health"), 503, "service_unavailable_error")
 
     run(scenario())
