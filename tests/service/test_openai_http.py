@@ -289,3 +289,68 @@ def test_sse_framing_usage_chunk_and_disconnect_frees_kv_blocks(target, tokenize
             assert stats.aborted_requests >= 2
 
     run(scenario())
+
+
+def test_logprobs_of_a_request_resumed_on_another_verifier_are_the_targets(target, tokenizer, hf_target):
+    """Seeded sampling, its verifier shut down mid-stream: the gateway resumes it on the other one, and every
+    token's logprobs (before and after the resume) equal transformers' log-softmax of the emitted sequence."""
+
+    async def scenario() -> None:
+        proposer = await ProposerServer.start(
+            ProposerConfig(host="127.0.0.1", port=0), NgramDrafter(), ProposerInfo("ngram")
+        )
+        verifiers = [
+            await VerifierServer.start(
+                VerifierConfig(host="127.0.0.1", port=0, proposer=(f"127.0.0.1:{proposer.port}",), max_model_len=512),
+                target=target,
+                model_name="smollm2",
+            )
+            for _ in range(2)
+        ]
+        config = GatewayConfig(
+            verifiers=tuple(f"127.0.0.1:{v.port}" for v in verifiers),
+            host="127.0.0.1",
+            port=0,
+            http_port=0,
+            health_check_interval_s=0.2,
+        )
+        gateway = await start_gateway(config, tokenizer=tokenizer)
+        prompt = tokenizer.encode("The quick brown fox jumps over the lazy dog. The quick brown fox")
+        try:
+            async with grpc.aio.insecure_channel(gateway.address) as channel:
+                stub = gateway_pb2_grpc.GatewayStub(channel)
+                request = gateway_pb2.GenerateRequest(
+                    prompt_token_ids=prompt,
+                    max_tokens=40,
+                    temperature=0.8,
+                    seed=5,
+                    ignore_eos=True,
+                    logprobs=True,
+                    top_logprobs=2,
+                )
+                call = stub.Generate(request, timeout=120)
+                ids: list[int] = []
+                values: list[float] = []
+                stopped = False
+                while (msg := await call.read()) is not grpc.aio.EOF:
+                    ids += msg.token_ids
+                    values += msg.logprobs.token_logprobs
+                    assert len(msg.logprobs.top_token_ids) == 2 * len(msg.token_ids)
+                    if not stopped and len(ids) >= 4:  # mid-stream: its verifier goes away
+                        serving = next(v for v in verifiers if v.loop.num_requests)
+                        await serving.shutdown(0)
+                        stopped = True
+                uninterrupted = [r async for r in stub.Generate(request, timeout=120)]  # on the survivor
+            assert gateway.servicer.counters.resumed_requests == 1
+            assert len(ids) == 40
+            assert ids == [t for r in uninterrupted for t in r.token_ids]  # seeded: the resume is exact
+            expected = hf_logprobs(hf_target, prompt, ids)
+            for pos, (token, value) in enumerate(zip(ids, values, strict=True)):
+                assert abs(value - expected[pos, token].item()) <= ATOL, pos
+        finally:
+            await gateway.stop(0)
+            for v in verifiers:
+                await v.shutdown(0)
+            await proposer.shutdown(0)
+
+    run(scenario())
