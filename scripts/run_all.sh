@@ -172,7 +172,7 @@ wait_healthy gateway "$HOST:$GATEWAY_PORT" "${PIDS[2]}" specdec.v1.Gateway
 
 log "prompt (chat template applied): $PROMPT"
 echo "----- answer -----"
-CLIENT_ARGS=(--address "$HOST:$GATEWAY_PORT" --chat --tokenizer "$TARGET" --max-tokens "$MAX_TOKENS" --timeout 600)
+CLIENT_ARGS=(--address "$HOST:$GATEWAY_PORT" --chat --max-tokens "$MAX_TOKENS" --timeout 600)
 if [[ -x "$BIN/specdec" ]]; then
   "$BIN/specdec" "${CLIENT_ARGS[@]}" "$PROMPT"
 else
