@@ -253,10 +253,12 @@ class _Reply:
     async def whole(self, parts: AsyncGenerator[tuple[str, Chunk, Final | None], None]) -> dict[str, Any]:
         text: list[str] = []
         logprobs: list[TokenLogprob] = []
+        token_ids: list[int] = []
         final: Final | None = None
         async for request_id, chunk, last in parts:
             self.id = request_id
             text.append(chunk.text)
+            token_ids += chunk.token_ids
             logprobs += chunk.logprobs or []
             final = last if last is not None else final
         assert final is not None, "the core ends every request with a final chunk"
@@ -267,6 +269,8 @@ class _Reply:
         else:
             choice["text"] = "".join(text)
             choice["logprobs"] = self._completion_logprobs(logprobs) if self.fields.logprobs else None
+        if self.body.return_token_ids:
+            choice["token_ids"] = token_ids
         if final.stop_string is not None:
             choice["stop_reason"] = final.stop_string  # vLLM's field: which stop matched
         elif final.stop_token_id is not None:
@@ -314,9 +318,12 @@ class _Reply:
                 logprobs = self._chat_logprobs(entries) if self.chat else self._completion_logprobs(entries)
             if self.chat:
                 delta = {"content": chunk.text} if chunk.text or final is None else {}
-                yield self._event(self._chat_choice(delta, logprobs, finish))
+                choice = self._chat_choice(delta, logprobs, finish)
             else:
-                yield self._event({"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish})
+                choice = {"index": 0, "text": chunk.text, "logprobs": logprobs, "finish_reason": finish}
+            if self.body.return_token_ids:
+                choice["token_ids"] = chunk.token_ids
+            yield self._event(choice)
         if final is not None and self.body.include_usage:
             yield _data({**self._envelope(chunk=True), "choices": [], "usage": usage_json(final.usage)})
 

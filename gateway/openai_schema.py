@@ -44,6 +44,7 @@ class _Common(BaseModel):
     min_p: float | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # vLLM's: each choice (and streamed chunk) also carries its token ids
     # ours: the upper bound on the draft length (0: no speculation), and session affinity
     max_draft_tokens: int | None = Field(default=None, ge=0)
     session_id: str = ""

@@ -121,7 +121,13 @@ def test_openai_client_chat_and_completions_match_grpc_transformers_and_the_open
             client = openai.AsyncOpenAI(base_url=stack.base_url, api_key="unused", max_retries=0)
             # greedy chat, non-streaming, with logprobs: equal to gRPC and to transformers
             chat = await client.chat.completions.create(
-                model=MODEL, messages=CHAT, max_tokens=24, temperature=0, logprobs=True, top_logprobs=3
+                model=MODEL,
+                messages=CHAT,
+                max_tokens=24,
+                temperature=0,
+                logprobs=True,
+                top_logprobs=3,
+                extra_body={"return_token_ids": True},
             )
             async with grpc.aio.insecure_channel(stack.gateway.address) as channel:
                 stub = gateway_pb2_grpc.GatewayStub(channel)
@@ -141,6 +147,7 @@ def test_openai_client_chat_and_completions_match_grpc_transformers_and_the_open
             assert list(grpc_reply.token_ids) == hf_ids
             assert grpc_reply.usage.prompt_tokens == len(prompt)
             assert chat.choices[0].message.content == grpc_reply.text
+            assert chat.choices[0].model_extra["token_ids"] == hf_ids  # token for token
             assert chat.usage is not None and chat.usage.completion_tokens == len(hf_ids)
             assert chat.usage.prompt_tokens == len(prompt)
             assert chat.usage.total_tokens == len(prompt) + len(hf_ids)
