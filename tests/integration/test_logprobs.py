@@ -2,7 +2,8 @@
 
 Each emitted token (accepted draft, recovered token after a rejection, bonus token) is checked against one
 teacher-forced transformers forward over prompt + output, for greedy, seeded and unseeded sampling, with a
-draft model and with n-gram drafting. The check is only meaningful if recovered tokens occur: asserted.
+draft model and with n-gram drafting. The check is only meaningful if accepted, recovered and bonus tokens
+all occur: asserted.
 """
 
 from __future__ import annotations
@@ -50,16 +51,19 @@ def test_logprobs_equal_the_targets_log_softmax_at_every_emitted_position(
     outputs: dict[str, list[int]] = {rid: [] for rid in prompts}
     logprobs: dict[str, list[TokenLogprob]] = {rid: [] for rid in prompts}
     recovered: dict[str, list[int]] = {rid: [] for rid in prompts}  # output positions of recovered tokens
+    bonus = 0  # steps whose every draft was accepted: their last token is a bonus token
     while engine.has_unfinished():
         for out in engine.step():
             assert out.logprobs is not None and len(out.logprobs) == len(out.new_token_ids)
             if out.num_accepted < out.num_drafted and len(out.new_token_ids) == out.num_accepted + 1:
                 recovered[out.request_id].append(len(outputs[out.request_id]) + out.num_accepted)
+            bonus += out.num_drafted > 0 and out.num_accepted == out.num_drafted
             outputs[out.request_id] += out.new_token_ids
             logprobs[out.request_id] += out.logprobs
     assert engine.stats.drafted_tokens > 0
     assert engine.stats.accepted_tokens > 0
     assert sum(map(len, recovered.values())) > 0, "no rejection happened: recovered tokens went unchecked"
+    assert bonus > 0, "no step accepted all its drafts: bonus tokens went unchecked"
     for rid, ids in prompts.items():
         expected = hf_logprobs(hf_target, ids, outputs[rid])
         assert len(outputs[rid]) == MAX_TOKENS
