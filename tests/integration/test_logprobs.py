@@ -40,10 +40,17 @@ def hf_logprobs(hf, prompt: list[int], output: list[int]) -> torch.Tensor:  # [l
 def test_logprobs_equal_the_targets_log_softmax_at_every_emitted_position(
     target, draft, tokenizer, hf_target, kind, temperature, seed
 ):
-    config = EngineConfig(num_speculative_tokens=4, max_num_seqs=4, max_model_len=512, adaptive_k=False)
+    # k = 4 for n-gram; k = 1 for the distilled draft model, which accepts about one token in five: at k = 4 it
+    # would hardly ever accept a whole draft, and bonus tokens would go unchecked
+    k = 4 if kind == "ngram" else 1
+    config = EngineConfig(num_speculative_tokens=k, max_num_seqs=4, max_model_len=512, adaptive_k=False)
     drafter = NgramDrafter() if kind == "ngram" else make_draft_model_drafter(*draft, config, CacheConfig())
     engine = build_engine(target, drafter, config, CacheConfig(block_size=16))
-    texts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def fibonacci(n):\n"]
+    texts = [
+        "The quick brown fox jumps over the lazy dog. The quick brown fox",
+        "def fibonacci(n):\n",
+        "red, green, blue, red, green, blue, red, green, blue, red, green, blue, red,",  # whole drafts accepted
+    ]
     prompts = {str(i): tokenizer.encode(t) for i, t in enumerate(texts)}
     for rid, ids in prompts.items():
         params = SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS, ignore_eos=True)
