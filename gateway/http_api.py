@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -175,7 +175,14 @@ class _Api:
                     first = None
                 stack.pop_all()  # the stream now owns the grant
                 events = reply.sse(first, parts, call, grant)
-                return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+                async def close() -> None:
+                    await events.aclose()
+                    call.close()
+                    await parts.aclose()
+                    grant.release()
+
+                return _SseResponse(events, close)
             try:
                 return await _watch_disconnect(request, call, reply.whole(parts))
             except (SpecdecError, VerifierError) as err:
@@ -204,6 +211,22 @@ async def _parse(request: Request, schema: type[Any]) -> Any:
         where = ".".join(str(p) for p in errors[0]["loc"]) if errors else ""
         message = errors[0]["msg"] if errors else str(err)
         raise InvalidRequestError(f"invalid request body: {where}: {message}" if where else message) from None
+
+
+class _SseResponse(StreamingResponse):
+    """Server-sent events whose request is always closed when the response ends, however it ends: Starlette
+    leaves a body iterator that a disconnect interrupted (or that never started) to the garbage collector,
+    and with it the verifier call and the KV blocks it holds."""
+
+    def __init__(self, events: AsyncIterator[str], close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._close = close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._close()
 
 
 class _ClientGone(Exception):
@@ -285,7 +308,7 @@ class _Reply:
         parts: AsyncGenerator[tuple[str, Chunk, Final | None], None],
         call: HttpCall,
         grant: Grant,
-    ) -> AsyncIterator[str]:
+    ) -> AsyncGenerator[str, None]:
         """SSE events; Starlette cancels this generator when the client disconnects, which ends the request."""
         try:
             if first is not None:
