@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import logging
 import socket
+import ssl
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -134,6 +135,9 @@ class _HttpServer:
             timeout_graceful_shutdown=max(1, int(config.drain_timeout_s)),
             ssl_certfile=config.tls_cert_file or None,
             ssl_keyfile=config.tls_key_file or None,
+            # the public port's client-certificate rule holds for both front ends
+            ssl_ca_certs=(config.tls_ca_file or None) if config.require_client_cert else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if config.require_client_cert else ssl.CERT_NONE,
         )
         self.server = _EmbeddedUvicorn(uv_config)
         self.task: asyncio.Task[None] | None = None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import ssl
 from typing import Any
 
 import grpc
@@ -151,5 +152,39 @@ def test_api_keys_rate_limits_and_unavailable_verifiers(tokenizer, tmp_path):
             reply = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi"})
             assert_error(reply, 503, "service_unavailable_error")
             assert_error(await http.get("/health"), 503, "service_unavailable_error")
+
+    run(scenario())
+
+
+def test_the_http_api_serves_tls_and_mutual_tls_like_the_grpc_port(tokenizer, tmp_path):
+    from tests.e2e.pki import PKI
+
+    pki = PKI(tmp_path / "pki")
+    cert, key = (str(p) for p in pki.leaves["gateway"])
+    trusting = ssl.create_default_context(cafile=str(pki.ca))
+    presenting = ssl.create_default_context(cafile=str(pki.ca))
+    presenting.load_cert_chain(*(str(p) for p in pki.leaves["client"]))
+
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with harness(tokenizer, [fs], tls_cert_file=cert, tls_key_file=key) as h:
+            url = h.gateway.http_url.replace("http://", "https://")
+            async with httpx.AsyncClient(base_url=url, verify=trusting) as https:
+                for _ in range(100):  # until the first health check of the verifier
+                    if (await https.get("/health")).status_code == 200:
+                        break
+                    await asyncio.sleep(0.05)
+                assert (await https.get("/health")).status_code == 200
+            async with httpx.AsyncClient(base_url=h.gateway.http_url) as plain:
+                with pytest.raises(httpx.HTTPError):
+                    await plain.get("/health")
+        mutual = {"tls_cert_file": cert, "tls_key_file": key, "tls_ca_file": str(pki.ca)}
+        async with harness(tokenizer, [await start_fake()], tls_require_client_cert=True, **mutual) as h:
+            url = h.gateway.http_url.replace("http://", "https://")
+            async with httpx.AsyncClient(base_url=url, verify=trusting) as anonymous:
+                with pytest.raises(httpx.HTTPError):
+                    await anonymous.get("/health")
+            async with httpx.AsyncClient(base_url=url, verify=presenting) as known:
+                assert (await known.get("/health")).status_code in (200, 503)  # through TLS: an answer
 
     run(scenario())
