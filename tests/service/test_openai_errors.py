@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from shared.proto_gen.specdec.v1 import gateway_pb2
-from tests.service.test_gateway import Harness, free_port, start_fake
+from tests.service.test_gateway import ONE_CHUNK, Harness, free_port, start_fake
 from tests.service.test_gateway_auth import ALICE, key_file
 
 pytestmark = pytest.mark.timeout(90)
@@ -186,5 +186,37 @@ def test_the_http_api_serves_tls_and_mutual_tls_like_the_grpc_port(tokenizer, tm
                     await anonymous.get("/health")
             async with httpx.AsyncClient(base_url=url, verify=presenting) as known:
                 assert (await known.get("/health")).status_code in (200, 503)  # through TLS: an answer
+
+    run(scenario())
+
+
+def test_a_client_that_goes_away_cancels_the_verifier_call(tokenizer):
+    """Before the first event, mid-stream, and while waiting for a whole (non-streamed) reply."""
+
+    async def scenario() -> None:
+        for body, wait_for_events, script in (
+            ({"stream": True}, 0, lambda request: []),  # gone before the first event (no token comes)
+            ({"stream": True}, 1, ONE_CHUNK),  # gone mid-stream
+            ({}, 0, ONE_CHUNK),  # gone while a whole reply was awaited
+        ):
+            fs = await start_fake(hang=True, script=script)  # streams its tokens, then stays open until cancelled
+            async with harness(tokenizer, [fs]) as h, httpx.AsyncClient(base_url=h.gateway.http_url) as http:
+                request = {"model": MODEL, "prompt": "hi", "max_tokens": 50, **body}
+                if wait_for_events:
+                    async with http.stream("POST", "/v1/completions", json=request) as reply:
+                        seen = 0
+                        async for line in reply.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen >= wait_for_events:
+                                break
+                else:
+                    with pytest.raises(httpx.ReadTimeout):
+                        await http.post("/v1/completions", json=request, timeout=0.5)
+                await asyncio.wait_for(fs.fake.cancelled.wait(), 10)
+                for _ in range(100):
+                    if h.gateway.servicer.counters.active_requests == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                assert h.gateway.servicer.counters.active_requests == 0, body
 
     run(scenario())
