@@ -32,6 +32,7 @@ from gateway.auth import Grant
 from gateway.core import Final, GatewayCore, VerifierError, status_of
 from gateway.frontend import Chunk, RequestFields
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.token_text import TokenText
 from shared.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -119,7 +120,7 @@ class _Api:
     def __init__(self, core: GatewayCore, model_name: str) -> None:
         self.core = core
         self.model_name = model_name
-        self.tokenizer = core.frontend.tokenizer
+        self.tokens = TokenText(core.frontend.tokenizer)
 
     # -- endpoints ---------------------------------------------------------------------------------
 
@@ -197,9 +198,6 @@ class _Api:
         values = request.headers.getlist("authorization")
         peer = f"{request.client.host}:{request.client.port}" if request.client else ""
         return self.core.admit(values, peer, limits)
-
-    def token_text(self, token_id: int) -> str:
-        return str(self.tokenizer.decode([token_id]))
 
 
 async def _parse(request: Request, schema: type[Any]) -> Any:
@@ -369,15 +367,15 @@ class _Reply:
     # -- logprobs ----------------------------------------------------------------------------------
 
     def _chat_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
-        text = self.api.token_text
+        tokens = self.api.tokens
         return {
             "content": [
                 {
-                    "token": text(e.token_id),
+                    "token": tokens.text(e.token_id),
                     "logprob": e.logprob,
-                    "bytes": list(text(e.token_id).encode()),
+                    "bytes": tokens.bytes(e.token_id),
                     "top_logprobs": [
-                        {"token": text(t), "logprob": v, "bytes": list(text(t).encode())}
+                        {"token": tokens.text(t), "logprob": v, "bytes": tokens.bytes(t)}
                         for t, v in zip(e.top_ids, e.top_logprobs, strict=True)
                     ],
                 }
@@ -386,7 +384,7 @@ class _Reply:
         }
 
     def _completion_logprobs(self, entries: list[TokenLogprob]) -> dict[str, Any]:
-        text = self.api.token_text
+        text = self.api.tokens.text
         tokens, offsets, tops = [], [], []
         for e in entries:
             token = text(e.token_id)

@@ -155,6 +155,8 @@ def test_openai_client_chat_and_completions_match_grpc_transformers_and_the_open
             assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= 0
             content = chat.choices[0].logprobs.content
             assert [c.token for c in content] == [tokenizer.decode([t]) for t in hf_ids]
+            joined = bytes(b for c in content for b in c.bytes).decode()  # the tokens' own bytes: the exact text
+            assert joined == tokenizer.decode(hf_ids)
             expected = hf_logprobs(hf_target, prompt, hf_ids)  # [n, vocab]
             for pos, (entry, token) in enumerate(zip(content, hf_ids, strict=True)):
                 assert abs(entry.logprob - expected[pos, token].item()) <= ATOL, pos

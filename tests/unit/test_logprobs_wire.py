@@ -41,3 +41,16 @@ def test_wire_round_trip_and_a_mismatch_is_refused():
 )
 def test_top_logprobs_checks(logprobs, top, ok):
     assert (check_top_logprobs(logprobs, top) is None) == ok
+
+
+def test_token_bytes_join_into_the_exact_text_even_where_a_character_spans_tokens():
+    from gateway.token_text import TokenText
+    from shared.model.loader import load_tokenizer
+    from shared.settings import default_target_model
+
+    tokenizer = load_tokenizer(default_target_model())
+    text = "龘 naïve 🙂 — ok"
+    ids = tokenizer.encode(text)
+    tokens = TokenText(tokenizer)
+    assert any("\ufffd" in tokens.text(i) for i in ids), "no character spans tokens here: pick another text"
+    assert bytes(b for i in ids for b in tokens.bytes(i)).decode() == tokenizer.decode(ids)
