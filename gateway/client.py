@@ -8,11 +8,10 @@
 At the end it prints the finish reason, token counts and the acceptance statistics (drafted,
 accepted, acceptance rate, mean tokens per step) on stderr (--quiet: not).
 
---chat: the gateway uses prompts as they are (the API has no chat option), so the CLIENT applies the
-tokenizer's chat template (a user message, plus --system if given, and the assistant generation
-prompt), tokenizes it with the same tokenizer (--tokenizer, default: the default target model) and
-sends the ids as prompt_token_ids. Sending ids rather than the templated text avoids a second BOS
-for tokenizers that add one. The tokenizer must be the one the gateway serves.
+--chat: sends `messages` (a user message, plus --system if given); the gateway applies the model's chat
+template with the generation prompt. With --tokenizer the client applies the template itself instead
+(for gateways that predate `messages`) and sends the ids as prompt_token_ids; that tokenizer must be the
+one the gateway serves.
 
 --json output, one object per line on stdout:
     {"type": "chunk", "request_id": ..., "token_ids": [...], "text": "..."}            per message
@@ -77,9 +76,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--request-id", default="")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--max-draft-tokens", type=int, help="cap on draft tokens per step (0: no speculation)")
-    p.add_argument("--chat", action="store_true", help="apply the tokenizer's chat template (client side)")
+    p.add_argument("--chat", action="store_true", help="send the prompt as a chat (user message)")
     p.add_argument("--system", default=None, help="system message for --chat")
-    p.add_argument("--tokenizer", default=None, help="tokenizer for --chat (default: the default target model)")
+    p.add_argument(
+        "--tokenizer", default=None, help="with --chat: apply this tokenizer's chat template client side (old gateways)"
+    )
     p.add_argument("--prompt-token-ids", default=None, help="comma-separated prompt token ids instead of text")
     p.add_argument("--unary", action="store_true", help="use Complete (one response) instead of Generate")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
@@ -113,8 +114,12 @@ def build_request(args: argparse.Namespace) -> gateway_pb2.GenerateRequest:
         req.prompt_token_ids.extend(int(t) for t in args.prompt_token_ids.split(",") if t.strip())
     else:
         prompt = sys.stdin.read() if args.prompt == "-" else args.prompt
-        if args.chat:
+        if args.chat and args.tokenizer:
             req.prompt_token_ids.extend(chat_prompt_ids(prompt, args.system, args.tokenizer))
+        elif args.chat:
+            if args.system:
+                req.messages.add(role="system", content=args.system)
+            req.messages.add(role="user", content=prompt)
         else:
             req.prompt = prompt
     for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "max_draft_tokens"):

@@ -36,6 +36,16 @@ class GatewayConfig(TLSConfig):
     )
     host: str = field(default="0.0.0.0", metadata=_help("address to listen on"))
     port: int = field(default=50051, metadata=_help("port to listen on (0: pick a free one)"))
+    http_port: int = field(
+        default=8000,
+        metadata=_help(
+            "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models, /health) on "
+            "--host, same TLS as the gRPC port (0: no HTTP API)"
+        ),
+    )
+    served_model_name: str = field(
+        default="", metadata=_help("the model name of the HTTP API (its `model` field); empty: the tokenizer's name")
+    )
     max_prompt_chars: int = field(
         default=1_000_000, metadata=_help("longest text prompt, in characters (checked before tokenizing)")
     )
@@ -130,8 +140,11 @@ class GatewayConfig(TLSConfig):
             raise ValueError(f"dns_refresh_interval_s must be > 0, got {self.dns_refresh_interval_s}")
         if len(set(self.verifiers)) != len(self.verifiers):
             raise ValueError(f"verifier addresses repeat: {','.join(self.verifiers)}")
-        if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"port and metrics_port must be in [0, 65535], got {self.port}, {self.metrics_port}")
+        if not all(0 <= p <= 65535 for p in (self.port, self.metrics_port, self.http_port)):
+            raise ValueError(
+                f"port, metrics_port and http_port must be in [0, 65535], got {self.port}, {self.metrics_port}, "
+                f"{self.http_port}"
+            )
         for name in (
             "default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars",
             "max_prompt_chars", "max_prompt_tokens", "max_request_bytes", "max_concurrent_rpcs",
@@ -150,6 +163,9 @@ class GatewayConfig(TLSConfig):
             raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
         if self.api_key_max_concurrent_streams < 0 or self.api_key_max_tokens_per_minute < 0:
             raise ValueError("api_key_max_concurrent_streams and api_key_max_tokens_per_minute must be >= 0")
+
+    def model_name(self) -> str:
+        return self.served_model_name or self.tokenizer_name()
 
     def tokenizer_name(self) -> str:
         if self.tokenizer:

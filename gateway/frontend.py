@@ -13,6 +13,7 @@ from typing import Any
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from shared.errors import InvalidRequestError
+from shared.logprobs import TokenLogprob, check_top_logprobs
 from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 
@@ -37,6 +38,9 @@ class RequestFields:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     max_draft_tokens: int | None = None
+    messages: tuple[tuple[str, str], ...] = ()  # (role, content): a chat, rendered with the chat template
+    logprobs: bool = False
+    top_logprobs: int = 0
 
     @classmethod
     def from_proto(cls, msg: Any) -> RequestFields:
@@ -58,6 +62,9 @@ class RequestFields:
             stop_token_ids=tuple(msg.stop_token_ids),
             ignore_eos=msg.ignore_eos,
             max_draft_tokens=opt("max_draft_tokens"),
+            messages=tuple((m.role, m.content) for m in msg.messages),
+            logprobs=msg.logprobs,
+            top_logprobs=msg.top_logprobs,
         )
 
 
@@ -75,6 +82,7 @@ class PreparedRequest:
     ignore_eos: bool
     max_draft_tokens: int | None
     max_tokens_explicit: bool = True  # False: the server default (clamped to the context length)
+    num_logprobs: int | None = None  # None: no logprobs; else the top alternatives reported per token
 
 
 class Frontend:
@@ -100,10 +108,16 @@ class Frontend:
             raise InvalidRequestError(
                 f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; the limit is {cfg.max_prompt_tokens}"
             )
-        if req.prompt and req.prompt_token_ids:
-            raise InvalidRequestError("set exactly one of prompt and prompt_token_ids, not both")
-        if not req.prompt and not req.prompt_token_ids:
-            raise InvalidRequestError("the prompt is empty: set prompt (text) or prompt_token_ids")
+        given = [name for name, value in self._prompt_kinds(req) if value]
+        if len(given) > 1:
+            names = ", ".join(given[:-1]) + " and " + given[-1]
+            raise InvalidRequestError(f"set exactly one of {names}, not {'both' if len(given) == 2 else 'all'}")
+        if not given:
+            raise InvalidRequestError("the prompt is empty: set prompt (text), prompt_token_ids or messages (chat)")
+        self._check_messages(req.messages)
+        why = check_top_logprobs(req.logprobs, req.top_logprobs)
+        if why is not None:
+            raise InvalidRequestError(why)
         if req.max_tokens is not None:
             if req.max_tokens < 1:
                 raise InvalidRequestError(f"max_tokens must be at least 1, got {req.max_tokens}")
@@ -135,6 +149,45 @@ class Frontend:
             raise InvalidRequestError(
                 f"prompt_token_ids contains {len(bad)} id(s) outside the vocabulary [0, {vocab}), e.g. {bad[:5]}"
             )
+
+    @staticmethod
+    def _prompt_kinds(req: RequestFields) -> list[tuple[str, Any]]:
+        return [("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids), ("messages", req.messages)]
+
+    def _check_messages(self, messages: Sequence[tuple[str, str]]) -> None:
+        if not messages:
+            return
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template, so messages cannot be used: send prompt (text) or "
+                "prompt_token_ids with the model's own prompt format"
+            )
+        chars = sum(len(content) for _, content in messages)
+        if chars > self.config.max_prompt_chars:
+            raise InvalidRequestError(
+                f"the messages have {chars} characters; the limit is {self.config.max_prompt_chars}"
+            )
+        for i, (role, _) in enumerate(messages):
+            if not role:
+                raise InvalidRequestError(f"message {i} has no role (e.g. 'system', 'user', 'assistant')")
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def render_chat(self, messages: Sequence[tuple[str, str]]) -> tuple[int, ...]:
+        """The chat's prompt ids: transformers' apply_chat_template with the generation prompt, as is."""
+        conversation = [{"role": role, "content": content} for role, content in messages]
+        try:
+            rendered = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True)
+        except Exception as err:  # the template's own checks (e.g. roles must alternate) raise for the caller
+            raise InvalidRequestError(f"the chat template refused the messages: {err}") from None
+        ids = tuple(int(t) for t in (rendered["input_ids"] if hasattr(rendered, "keys") else rendered))
+        if len(ids) > self.config.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"the chat is {len(ids)} tokens long; the limit is {self.config.max_prompt_tokens}"
+            )
+        return ids
 
     def vocab_limit(self, vocab_size: int | None) -> int:
         """Token ids must be below both the tokenizer's and the model's vocabulary size."""
@@ -169,6 +222,7 @@ class Frontend:
             ignore_eos=req.ignore_eos,
             max_draft_tokens=req.max_draft_tokens,
             max_tokens_explicit=req.max_tokens is not None,
+            num_logprobs=req.top_logprobs if req.logprobs else None,
         )
 
     def check_context(self, prepared: PreparedRequest, max_model_len: int | None) -> PreparedRequest:
@@ -228,6 +282,7 @@ class Chunk:
     text: str = ""
     stop_string: str | None = None  # set when a stop string ended the output
     length_reached: bool = False  # max_tokens reached (a misbehaving verifier's extra tokens are cut)
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
 
 
 class OutputProcessor:

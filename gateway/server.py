@@ -1,6 +1,7 @@
-"""`specdec-gateway`: the public gRPC API (specdec.v1.Gateway) in front of one or more verifiers.
+"""`specdec-gateway`: the public gRPC API (specdec.v1.Gateway) and the OpenAI-compatible HTTP API
+(gateway/http_api.py, on --http-port) in front of one or more verifiers; both front ends run the same core.
 
-    specdec-gateway --verifiers HOST:PORT[,HOST:PORT...] --tokenizer PATH_OR_ID --port N
+    specdec-gateway --verifiers HOST:PORT[,HOST:PORT...] --tokenizer PATH_OR_ID --port N --http-port M
 
 Every flag also reads SPECDEC_<NAME> (e.g. SPECDEC_VERIFIERS); see `specdec-gateway --help`.
 
@@ -13,18 +14,24 @@ one, requests fail with UNAVAILABLE). On SIGTERM both go NOT_SERVING, running re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+import socket
+import ssl
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import uvicorn
 from grpc_health.v1 import health, health_pb2
 
 from gateway.auth import ApiKeyAuth, KeyFile
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
+from gateway.core import GatewayCore
 from gateway.frontend import Frontend
+from gateway.http_api import make_app
 from gateway.servicer import GatewayServicer
 from shared.grpc_server import (
     add_health_and_reflection,
@@ -53,17 +60,27 @@ class RunningGateway:
     config: GatewayConfig
     readiness: _Readiness
     telemetry: Telemetry
+    http: _HttpServer | None = None
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
+
+    @property
+    def http_url(self) -> str:
+        """The HTTP API's base URL on loopback (empty without one)."""
+        return f"http://127.0.0.1:{self.http.port}" if self.http is not None else ""
 
     async def stop(self, grace: float | None = None) -> None:
         """Drain: NOT_SERVING, let running requests finish for `grace` seconds, then cancel the rest."""
         self.readiness.stopped = True
         await self.readiness.settle()
         await set_serving(self.health, [SERVICE_NAME], False)
-        await self.server.stop(self.config.drain_timeout_s if grace is None else grace)
+        grace_s = self.config.drain_timeout_s if grace is None else grace
+        if self.http is not None:
+            await asyncio.gather(self.server.stop(grace_s), self.http.stop())
+        else:
+            await self.server.stop(grace_s)
         await self.pool.close()
         await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
 
@@ -96,6 +113,50 @@ class _Readiness:
             await self._last
 
 
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn inside the gateway's event loop: the gateway owns SIGTERM (drain both front ends), not uvicorn."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class _HttpServer:
+    """The OpenAI-compatible API (gateway/http_api.py) served by uvicorn on an already bound socket."""
+
+    def __init__(self, core: GatewayCore, config: GatewayConfig) -> None:
+        self.sock = socket.create_server((config.host, config.http_port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
+        uv_config = uvicorn.Config(
+            make_app(core, config.model_name()),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=max(1, int(config.drain_timeout_s)),
+            ssl_certfile=config.tls_cert_file or None,
+            ssl_keyfile=config.tls_key_file or None,
+            # the public port's client-certificate rule holds for both front ends
+            ssl_ca_certs=(config.tls_ca_file or None) if config.require_client_cert else None,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if config.require_client_cert else ssl.CERT_NONE,
+        )
+        self.server = _EmbeddedUvicorn(uv_config)
+        self.task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
+        while not self.server.started:
+            if self.task.done():
+                self.task.result()  # raises why it could not start
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.server.should_exit = True
+        if self.task is not None:
+            await self.task
+        self.sock.close()
+
+
 async def start_gateway(
     config: GatewayConfig, tokenizer: Any = None, telemetry: Telemetry | None = None
 ) -> RunningGateway:
@@ -121,19 +182,23 @@ async def start_gateway(
         raise OSError(f"could not listen on {config.host}:{config.port}")
     readiness = _Readiness(health_servicer)
     pool.on_change = readiness.update
+    http = _HttpServer(servicer.core, config) if config.http_port else None
     await pool.start()
     await server.start()
+    if http is not None:
+        await http.start()
     await set_serving(health_servicer, [], True)
     readiness.update(pool.healthy_count())
     await readiness.settle()
     healthy = sum(b.load.healthy for b in pool.backends.values())
     log.info(
-        "event=serving port=%d verifiers=%s healthy_verifiers=%d",
+        "event=serving port=%d http_port=%s verifiers=%s healthy_verifiers=%d",
         port,
+        http.port if http is not None else "off",
         f"dns:{config.verifier_dns}" if config.verifier_dns else ",".join(config.verifiers),
         healthy,
     )
-    return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness, telemetry)
+    return RunningGateway(server, servicer, pool, health_servicer, port, config, readiness, telemetry, http)
 
 
 def _auth(config: GatewayConfig) -> ApiKeyAuth | None:

@@ -1,153 +1,39 @@
-"""specdec.v1.Gateway: validation and tokenization (frontend), routing (router), verifier calls, resume.
+"""specdec.v1.Gateway: the gRPC front end of the gateway core (core.py), as thin as the protos allow.
 
-Request flow: check fields -> tokenize -> pick a verifier -> stream Verifier.Generate, turning each
-verifier message into one client message (token ids + UTF-8 safe text, text that might begin a stop
-string held back). The gateway keeps each live request's emitted tokens. If its verifier fails
-mid-stream (UNAVAILABLE, or the verifier side cancelled the call) the request resumes on another
-healthy verifier: the new prompt is the original prompt plus the tokens emitted so far and max_tokens
-is lowered by their number, so the client sees one uninterrupted stream.
-
-Cancellation: when the client cancels or its deadline passes, gRPC cancels the handler task; the
-verifier call is cancelled with it (in `finally`, and by a done-callback on the client's RPC as a
-second guard), so the verifier frees the request's KV blocks within one engine step. A stop string
-also cancels the verifier call. The client's remaining deadline is passed on to the verifier call.
+It reads the request's fields, admits the caller (API key and limits from the call's metadata), runs the
+core's one generation path and writes its chunks as GenerateResponse messages (or one CompleteResponse).
+Errors become the core's status (a verifier's own passed through unchanged) with retry-after trailers.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
-import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
 
 from gateway.auth import ApiKeyAuth, Grant
 from gateway.backends import BackendPool
-from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
-from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
-from shared.errors import (
-    InvalidRequestError,
-    OverloadedError,
-    RateLimitedError,
-    SpecdecError,
-    UnauthenticatedError,
-    UnavailableError,
-    grpc_status_for,
-    grpc_trailing_metadata_for,
-)
-from shared.proto_convert import sampling_params_to_proto
-from shared.proto_gen.specdec.v1 import (
-    common_pb2,
-    gateway_pb2,
-    gateway_pb2_grpc,
-    verifier_pb2,
-)
-from shared.request_ids import checked_or_empty, new_internal_id
+from gateway.core import Final, GatewayCore, VerifierError, status_of
+from gateway.frontend import Chunk, Frontend, RequestFields
+from shared.errors import SpecdecError, grpc_trailing_metadata_for
+from shared.logprobs import to_proto as logprobs_to_proto
+from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.telemetry import Telemetry
-
-log = logging.getLogger(__name__)
-
-FINISH_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
-FINISH_STOP = common_pb2.FINISH_REASON_STOP
-FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
-FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-class VerifierError(Exception):
-    """A verifier's error status, passed through to the client unchanged (code and message)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _VerifierFailed(Exception):
-    """The verifier died or dropped the call: resume the request elsewhere."""
-
-
-class _VerifierFull(Exception):
-    """The verifier's queue is full (RESOURCE_EXHAUSTED before any token): try another, or shed the load."""
-
-
-@dataclass
-class Final:
-    finish_reason: int
-    usage: common_pb2.Usage
-    stop_string: str | None = None
-    stop_token_id: int | None = None
-
-
-@dataclass
-class _Accounting:
-    """Usage summed over the verifier segments of one request (more than one after a resume)."""
-
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0
-    cached_prompt: int | None = None
-
-    def add_segment(self, usage: common_pb2.Usage | None, steps_seen: int) -> None:
-        # A segment that ended without its final message (cancelled after a stop string, or its verifier
-        # died) has no usage: its steps are counted from the messages, its drafts are unknown.
-        if usage is None:
-            self.steps += steps_seen
-            return
-        self.drafted += usage.drafted_tokens
-        self.accepted += usage.accepted_tokens
-        self.steps += usage.num_steps or steps_seen
-        if self.cached_prompt is None:
-            self.cached_prompt = usage.cached_prompt_tokens
-
-
-@dataclass
-class _RequestRun:
-    """One request across its verifier segments (more than one after a resume)."""
-
-    request_id: str  # the gateway's own id: what verifiers, logs and spans key the request by
-    traced: GatewayRequestTrace
-    started: float  # time.monotonic() when the request arrived
-    client_request_id: str = ""  # what the client sent (checked) or, if none, request_id: echoed back
-    acct: _Accounting = field(default_factory=_Accounting)
-    failed_backends: set[str] = field(default_factory=set)  # left out when picking the next verifier
-    full_backends: set[str] = field(default_factory=set)  # whose queue was full for this request
-    full_reason: str = ""  # the last full verifier's own message
-    resumes: int = 0
-    live_calls: list[Any] = field(default_factory=list)  # the verifier calls to cancel if the client goes away
-    grant: Grant = field(default_factory=Grant)  # the API key's name and token charges
-
-
-@dataclass
-class GatewayCounters:
-    active_requests: int = 0
-    total_requests: int = 0
-    resumed_requests: int = 0
-
-
-@dataclass
-class _Segment:
-    usage: common_pb2.Usage | None = None
-    steps: int = 0
-    calls: list[Any] = field(default_factory=list)
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
         self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None, auth: ApiKeyAuth | None = None
     ) -> None:
+        self.core = GatewayCore(frontend, pool, telemetry, auth)
+        # the core's parts, under the names tests and server.py reach them by
         self.frontend = frontend
-        self.auth = auth  # None: no API keys (--api-keys-file unset)
         self.pool = pool
-        self.router = pool.router
-        self.config = frontend.config
-        self.counters = GatewayCounters()
-        self.telemetry = GatewayTelemetry(telemetry or Telemetry("specdec-gateway"), self.counters)
-
-    # -- RPCs --------------------------------------------------------------------------------------
+        self.router = self.core.router
+        self.counters = self.core.counters
+        self.config = self.core.config
 
     async def Generate(  # type: ignore[override]
         self, request: gateway_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -157,12 +43,13 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async with (
                 self._admit(context) as grant,
-                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+                contextlib.aclosing(self.core.generate(fields, context, grant)) as parts,
             ):
                 async for request_id, chunk, final in parts:
                     response = gateway_pb2.GenerateResponse(
                         request_id=request_id, token_ids=chunk.token_ids, text=chunk.text
                     )
+                    _set_logprobs(response, chunk, fields)
                     if final is not None:
                         _set_final(response, final)
                     yield response
@@ -178,11 +65,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         try:
             async with (
                 self._admit(context) as grant,
-                contextlib.aclosing(self._generate(fields, context, grant)) as parts,
+                contextlib.aclosing(self.core.generate(fields, context, grant)) as parts,
             ):
                 async for request_id, chunk, final in parts:
                     response.request_id = request_id
                     response.token_ids.extend(chunk.token_ids)
+                    _set_logprobs(response, chunk, fields)
                     text.append(chunk.text)
                     if final is not None:
                         _set_final(response, final)
@@ -214,302 +102,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
         return response
 
     def _admit(self, context: grpc.aio.ServicerContext, limits: bool = True) -> Grant:
-        """The caller's API key (UNAUTHENTICATED) and its limits (RESOURCE_EXHAUSTED), before any work."""
-        if self.auth is None:
-            return Grant()
         values = [str(v) for k, v in context.invocation_metadata() or () if k == "authorization"]
-        try:
-            return self.auth.admit(values, limits)
-        except UnauthenticatedError as err:
-            self.telemetry.auth_rejections.add(1, {"reason": err.reason})
-            log.info("event=unauthenticated reason=%s peer=%s", err.reason, context.peer())
-            raise
-        except RateLimitedError as err:
-            self.telemetry.rate_limited.add(1, {"api_key": err.client, "limit": err.limit})
-            log.info(
-                "event=rate_limited api_key=%s limit=%s retry_after_s=%d", err.client, err.limit, err.retry_after_s
-            )
-            raise
+        return self.core.admit(values, context.peer(), limits)
 
-    # -- the request loop --------------------------------------------------------------------------
 
-    async def _generate(
-        self, fields: RequestFields, context: grpc.aio.ServicerContext, grant: Grant
-    ) -> AsyncGenerator[tuple[str, Chunk, Final | None], None]:
-        """Yields (request_id, chunk, final-or-None) per verifier message; raises SpecdecError / VerifierError.
-
-        Here: the request's lifecycle (counters, trace, validation, the log line of how it ended); the verifier
-        segments and resumes are in _resume_loop, the usage and the trace's end in _finish."""
-        self.counters.total_requests += 1
-        self.counters.active_requests += 1
-        started = time.monotonic()
-        live_calls: list[Any] = []
-        # Second guard: whatever the handler task is doing when the client goes away, cancel the verifier call.
-        context.add_done_callback(lambda _ctx: [call.cancel() for call in live_calls])
-        # Our own id keys the request everywhere (verifiers, proposer, logs); the client's, checked below, is
-        # only echoed back and recorded beside it.
-        internal_id = new_internal_id()
-        # check_fields refuses an id that fails the checks; until then it stays out of logs and spans
-        client_id = checked_or_empty(fields.request_id)
-        session_id = checked_or_empty(fields.session_id)
-        traced = self.telemetry.request_started(internal_id, session_id, grant.name, client_id)
-        run = _RequestRun(internal_id, traced, started, client_id or internal_id, live_calls=live_calls, grant=grant)
-        try:
-            self.frontend.check_fields(fields, self.router.vocab_limit())
-            # Off the event loop: a long prompt must not stall every other stream and the health checks.
-            prompt_ids = (
-                await asyncio.to_thread(self.frontend.tokenize, fields.prompt)
-                if fields.prompt
-                else fields.prompt_token_ids
-            )
-            prepared = self.frontend.prepare(fields, prompt_ids, internal_id)
-            grant.charge(len(prepared.prompt_ids))
-            final: Final | None = None
-            async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
-                async for chunk, final in parts:
-                    yield run.client_request_id, chunk, final
-            if final is not None:
-                self._log_finished(run, final)
-        except asyncio.CancelledError:
-            log.info("event=cancelled request_id=%s seconds=%.3f", run.request_id, time.monotonic() - run.started)
-            raise
-        except (SpecdecError, VerifierError) as err:
-            level = logging.INFO if isinstance(err, InvalidRequestError) else logging.WARNING
-            log.log(
-                level,
-                "event=rejected request_id=%s client_request_id=%r error=%r",
-                run.request_id,
-                client_id,
-                str(err),
-            )
-            self.telemetry.failed(run.traced, *_status_of(err))
-            raise
-        finally:
-            self.telemetry.failed(run.traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
-            self.counters.active_requests -= 1
-            for call in live_calls:
-                call.cancel()
-
-    async def _resume_loop(
-        self, prepared: PreparedRequest, run: _RequestRun, context: grpc.aio.ServicerContext
-    ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
-        """One verifier segment after another until the request has its final message: a verifier that fails
-        mid-stream is left out and the next one continues from the tokens emitted so far."""
-        out = self.frontend.output(prepared)
-        final: Final | None = None
-        while final is None:
-            final = self._finished_before_call(prepared, out.token_ids)
-            if final is not None:
-                # Only reachable after a resume: nothing left to generate (see _finished_before_call).
-                tail = out.finish()
-                self._finish(run, prepared, out.token_ids, final)
-                yield tail, final
-                break
-            backend = await self._pick_backend(prepared.session_id, run.failed_backends | run.full_backends, run)
-            if not out.token_ids:
-                prepared = self.frontend.check_context(prepared, backend.max_model_len)
-                out.max_tokens = prepared.max_tokens
-            segment = _Segment(calls=run.live_calls)
-            stream = self._call_verifier(prepared, out, backend.address, segment, context, run.traced)
-            try:
-                async with contextlib.aclosing(stream):
-                    async for chunk, final in stream:
-                        self.telemetry.chunk(run.traced, len(chunk.token_ids))
-                        run.grant.charge(len(chunk.token_ids))
-                        if final is not None:
-                            run.acct.add_segment(segment.usage, segment.steps)
-                            self._finish(run, prepared, out.token_ids, final)
-                        yield chunk, final
-            except _VerifierFull as err:
-                run.full_backends.add(backend.address)  # not a failure: the next pick skips it
-                run.full_reason = str(err)
-            except _VerifierFailed as err:
-                run.acct.add_segment(segment.usage, segment.steps)
-                self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
-
-    async def _pick_backend(self, session_id: str, exclude: set[str], run: _RequestRun) -> Any:
-        try:
-            return self.router.pick(session_id, exclude=exclude)
-        except UnavailableError:
-            if run.full_backends:  # every verifier left is full: shed the load now instead of queueing it
-                raise OverloadedError(
-                    f"every verifier's queue is full ({len(run.full_backends)} tried; last: {run.full_reason}); "
-                    "retry in 1 s"
-                ) from None
-            # Maybe a verifier came back since the last periodic check: look now, then decide.
-            await self.pool.recheck_unhealthy()
-            return self.router.pick(session_id, exclude=exclude)
-
-    def _resume_or_give_up(self, run: _RequestRun, address: str, emitted: int, err: _VerifierFailed) -> None:
-        """The verifier at `address` failed mid-stream: leave it out and resume, or UNAVAILABLE after
-        max_resumes."""
-        run.failed_backends.add(address)
-        self.pool.mark_failed(address, str(err))
-        if run.resumes >= self.config.max_resumes:
-            raise UnavailableError(
-                f"the request failed on {run.resumes + 1} verifiers in turn; last error: {err}"
-            ) from None
-        run.resumes += 1
-        self.counters.resumed_requests += 1
-        self.telemetry.event(run.traced, "resume", {"specdec.failed_backend": address})
-        # A seeded request resumes exactly: the new verifier is told the output position it starts at
-        # (output_offset), and a seeded token depends only on (seed, position, target distribution).
-        log.warning(
-            "event=resume request_id=%s failed_backend=%s emitted_tokens=%d reason=%r",
-            run.request_id,
-            address,
-            emitted,
-            str(err),
-        )
-
-    def _finish(self, run: _RequestRun, prepared: PreparedRequest, emitted: list[int], final: Final) -> None:
-        """The final message's usage (summed over the segments) and the trace's end, before it is sent."""
-        final.usage = self._usage(prepared, emitted, run.acct)
-        self.telemetry.finished(run.traced, final.usage, common_pb2.FinishReason.Name(final.finish_reason), run.resumes)
-
-    def _log_finished(self, run: _RequestRun, final: Final) -> None:
-        """After the final message was taken by the client."""
-        log.info(
-            "event=finished request_id=%s client_request_id=%s finish_reason=%s prompt_tokens=%d "
-            "completion_tokens=%d drafted=%d accepted=%d resumes=%d seconds=%.3f api_key=%s",
-            run.request_id,
-            run.client_request_id,
-            common_pb2.FinishReason.Name(final.finish_reason),
-            final.usage.prompt_tokens,
-            final.usage.completion_tokens,
-            final.usage.drafted_tokens,
-            final.usage.accepted_tokens,
-            run.resumes,
-            time.monotonic() - run.started,
-            run.grant.name or "-",
-        )
-
-    def _finished_before_call(self, prepared: PreparedRequest, emitted: list[int]) -> Final | None:
-        """After a resume: is the request already complete? (its verifier died before sending the end)."""
-        if not emitted:
-            return None
-        last = emitted[-1]
-        # The verifier stops on all of the model's EOS ids, not only the tokenizer's one.
-        eos = self.router.eos_token_ids() | {self.frontend.eos_token_id}
-        if last in prepared.stop_token_ids or (last in eos and not prepared.ignore_eos):
-            return Final(FINISH_STOP, common_pb2.Usage(), stop_token_id=last)
-        if len(emitted) >= prepared.max_tokens:
-            return Final(FINISH_LENGTH, common_pb2.Usage())
-        limit = self.router.context_limit()
-        if limit and len(prepared.prompt_ids) + len(emitted) >= limit:
-            return Final(FINISH_LENGTH, common_pb2.Usage())
-        return None
-
-    async def _call_verifier(
-        self,
-        prepared: PreparedRequest,
-        out: Any,
-        address: str,
-        segment: _Segment,
-        context: grpc.aio.ServicerContext,
-        traced: GatewayRequestTrace,
-    ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
-        backend = self.pool[address]
-        emitted = list(out.token_ids)
-        request = verifier_pb2.VerifierGenerateRequest(
-            request_id=prepared.request_id,
-            session_id=prepared.session_id,
-            prompt_token_ids=[*prepared.prompt_ids, *emitted],
-            sampling_params=sampling_params_to_proto(prepared.sampling),
-            max_tokens=prepared.max_tokens - len(emitted),
-            stop_token_ids=prepared.stop_token_ids,
-            ignore_eos=prepared.ignore_eos,
-            max_draft_tokens=prepared.max_draft_tokens,
-            output_offset=len(emitted),  # a resume: seeded sampling goes on from the same output position
-        )
-        timeout = context.time_remaining()  # the client's deadline, passed on; None when it set none
-        if timeout is None:
-            timeout = self.config.verifier_call_timeout_s
-        with self.telemetry.current(traced):  # the call's client span and metadata carry the request's trace
-            call = backend.stub.Generate(request, timeout=timeout)
-        segment.calls.append(call)
-        backend.load.active_requests += 1
-        last: tuple[Chunk, Final] | None = None
-        try:
-            while (msg := await self._next_message(call, address)) is not grpc.aio.EOF:
-                if last is not None:
-                    continue  # nothing follows the final message; reading on to the end completes the call
-                if msg.token_ids:
-                    segment.steps += 1
-                if msg.HasField("usage"):
-                    segment.usage = msg.usage  # the last message's; a verifier may also send it earlier
-                chunk = out.add(msg.token_ids)
-                if chunk.stop_string is not None:
-                    call.cancel()  # the verifier frees the request's KV blocks
-                    yield chunk, Final(FINISH_STOP, common_pb2.Usage(), stop_string=chunk.stop_string)
-                    return
-                reason = msg.finish_reason
-                if reason == FINISH_UNSPECIFIED and not chunk.length_reached:
-                    yield chunk, None
-                    continue
-                if reason == FINISH_UNSPECIFIED:  # max_tokens reached, the verifier sent more: cut and stop
-                    call.cancel()
-                    yield self._last_chunk(chunk, out, FINISH_LENGTH, msg)
-                    return
-                # The status follows the last message at once. Reading it ends the call (and its client
-                # span, which the tracing interceptor closes when the response stream is exhausted).
-                last = self._last_chunk(chunk, out, reason, msg)
-        except grpc.aio.AioRpcError as err:
-            if last is not None:  # the request was complete before the call failed
-                yield last
-                return
-            code = err.code()
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not out.token_ids[len(emitted) :]:
-                raise _VerifierFull(err.details()) from None
-            if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not context.done()):
-                raise _VerifierFailed(f"verifier {address}: {code.name}: {err.details()}") from None
-            raise VerifierError(code, err.details() or code.name) from None
-        finally:
-            backend.load.active_requests -= 1
-            if not call.done():
-                call.cancel()
-            segment.calls.remove(call)
-        if last is not None:
-            yield last
-            return
-        # The stream ended without a finish reason: a broken verifier; resume elsewhere.
-        raise _VerifierFailed(f"verifier {address} ended the stream without a finish reason")
-
-    async def _next_message(self, call: Any, address: str) -> Any:
-        """The verifier's next message, or _VerifierFailed when it stays silent past stream_idle_timeout_s (a
-        hung verifier that still passes health checks): the request then resumes elsewhere."""
-        try:
-            return await asyncio.wait_for(call.read(), self.config.stream_idle_timeout_s)
-        except TimeoutError:
-            call.cancel()
-            raise _VerifierFailed(
-                f"verifier {address} sent nothing for {self.config.stream_idle_timeout_s:g} s"
-            ) from None
-
-    def _last_chunk(self, chunk: Chunk, out: Any, reason: int, msg: Any) -> tuple[Chunk, Final]:
-        tail = out.finish()
-        chunk.text += tail.text
-        final = Final(reason, common_pb2.Usage())
-        if tail.stop_string is not None:  # a stop string completed in the held-back text
-            final.finish_reason, final.stop_string = FINISH_STOP, tail.stop_string
-        elif reason == FINISH_STOP:
-            if msg.HasField("stop_token_id"):
-                final.stop_token_id = msg.stop_token_id
-            elif out.token_ids:
-                final.stop_token_id = out.token_ids[-1]
-        return chunk, final
-
-    def _usage(self, prepared: PreparedRequest, emitted: list[int], acct: _Accounting) -> common_pb2.Usage:
-        completion = len(emitted)
-        return common_pb2.Usage(
-            prompt_tokens=len(prepared.prompt_ids),
-            completion_tokens=completion,
-            cached_prompt_tokens=acct.cached_prompt or 0,
-            drafted_tokens=acct.drafted,
-            accepted_tokens=min(acct.accepted, acct.drafted),
-            num_steps=acct.steps,
-            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
-        )
+def _set_logprobs(response: Any, chunk: Chunk, fields: RequestFields) -> None:
+    if fields.logprobs:  # the message is present (maybe empty) whenever logprobs were asked for
+        response.logprobs.num_top = fields.top_logprobs
+        logprobs_to_proto(chunk.logprobs or [], fields.top_logprobs, response.logprobs)
 
 
 def _set_final(response: Any, final: Final) -> None:
@@ -521,11 +121,5 @@ def _set_final(response: Any, final: Final) -> None:
         response.stop_token_id = final.stop_token_id
 
 
-def _status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
-    if isinstance(err, VerifierError):
-        return err.code, err.details  # the verifier's status, unchanged
-    return grpc_status_for(err)
-
-
 async def _abort(context: grpc.aio.ServicerContext, err: Exception) -> None:
-    await context.abort(*_status_of(err), trailing_metadata=grpc_trailing_metadata_for(err))
+    await context.abort(*status_of(err), trailing_metadata=grpc_trailing_metadata_for(err))

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Start proposer, verifier and gateway as separate background processes, wait until all three report
-# SERVING (grpc.health.v1), send one real chat request through the `specdec` client, print the streamed
-# answer and the acceptance statistics, then stop everything (SIGTERM, wait; SIGKILL after a timeout).
+# SERVING (grpc.health.v1), send one real chat request through the `specdec` client (gRPC), print the
+# streamed answer and the acceptance statistics, then one chat request through the official `openai` Python
+# client against the gateway's OpenAI-compatible HTTP API, then stop everything (SIGTERM, wait; SIGKILL
+# after a timeout).
 #
 #   scripts/run_all.sh ["PROMPT"]          (what `make run` runs)
 #
@@ -16,6 +18,7 @@
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
 #   RUN_STARTUP_TIMEOUT      seconds to wait for all services to be healthy (default 600)
 #   RUN_GATEWAY_PORT / RUN_VERIFIER_PORT / RUN_PROPOSER_PORT   ports (default 50051 / 50052 / 50053)
+#   RUN_HTTP_PORT            the gateway's OpenAI-compatible HTTP port (default 8000)
 #   RUN_KEEP_LOGS=1          keep the log folder after a successful run
 # Logs go to a temporary folder, shown (with the tail of each log) when something fails.
 set -euo pipefail
@@ -38,6 +41,7 @@ STARTUP_TIMEOUT="${RUN_STARTUP_TIMEOUT:-600}"
 GATEWAY_PORT="${RUN_GATEWAY_PORT:-50051}"
 VERIFIER_PORT="${RUN_VERIFIER_PORT:-50052}"
 PROPOSER_PORT="${RUN_PROPOSER_PORT:-50053}"
+HTTP_PORT="${RUN_HTTP_PORT:-8000}"
 HOST=127.0.0.1
 
 case "$KIND" in
@@ -137,7 +141,7 @@ wait_healthy() {
   done
 }
 
-for port in "$PROPOSER_PORT" "$VERIFIER_PORT" "$GATEWAY_PORT"; do
+for port in "$PROPOSER_PORT" "$VERIFIER_PORT" "$GATEWAY_PORT" "$HTTP_PORT"; do
   if port_busy "$port"; then
     log "port $port is already in use on $HOST: stop what runs there or set RUN_*_PORT"
     exit 1
@@ -159,7 +163,7 @@ start proposer specdec-proposer proposer_service.server "${PROPOSER_ARGS[@]}"
 start verifier specdec-verifier verifier_service.server --model "$TARGET" --proposer "$HOST:$PROPOSER_PORT" \
   --num-speculative-tokens "$K" --host "$HOST" --port "$VERIFIER_PORT"
 start gateway specdec-gateway gateway.server --verifiers "$HOST:$VERIFIER_PORT" --tokenizer "$TARGET" \
-  --host "$HOST" --port "$GATEWAY_PORT"
+  --host "$HOST" --port "$GATEWAY_PORT" --http-port "$HTTP_PORT"
 
 wait_healthy proposer "$HOST:$PROPOSER_PORT" "${PIDS[0]}"
 wait_healthy verifier "$HOST:$VERIFIER_PORT" "${PIDS[1]}"
@@ -168,12 +172,35 @@ wait_healthy gateway "$HOST:$GATEWAY_PORT" "${PIDS[2]}" specdec.v1.Gateway
 
 log "prompt (chat template applied): $PROMPT"
 echo "----- answer -----"
-CLIENT_ARGS=(--address "$HOST:$GATEWAY_PORT" --chat --tokenizer "$TARGET" --max-tokens "$MAX_TOKENS" --timeout 600)
+CLIENT_ARGS=(--address "$HOST:$GATEWAY_PORT" --chat --max-tokens "$MAX_TOKENS" --timeout 600)
 if [[ -x "$BIN/specdec" ]]; then
   "$BIN/specdec" "${CLIENT_ARGS[@]}" "$PROMPT"
 else
   "$PYTHON" -m gateway.client "${CLIENT_ARGS[@]}" "$PROMPT"
 fi
 echo "------------------"
+log "the same question through the official openai client: http://$HOST:$HTTP_PORT/v1"
+echo "----- answer (openai client, HTTP) -----"
+"$PYTHON" - "$HOST:$HTTP_PORT" "$PROMPT" "$MAX_TOKENS" <<'PY'
+import sys
+
+import openai
+
+address, prompt, max_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+client = openai.OpenAI(base_url=f"http://{address}/v1", api_key="unused", max_retries=0, timeout=600)
+model = client.models.list().data[0].id
+reply = client.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0
+)
+print(reply.choices[0].message.content)
+usage = reply.usage
+extra = usage.model_extra or {}
+print(
+    f"[{reply.choices[0].finish_reason}] prompt_tokens={usage.prompt_tokens} "
+    f"completion_tokens={usage.completion_tokens} drafted={extra.get('drafted_tokens')} "
+    f"accepted={extra.get('accepted_tokens')}"
+)
+PY
+echo "----------------------------------------"
 OK=1
 log "done; stopping the services"

@@ -41,6 +41,10 @@ class NumericalError(SpecdecError):
     others in its batch are unaffected."""
 
 
+class NotFoundError(SpecdecError):
+    """The named thing (e.g. a model) is not served here: NOT_FOUND (HTTP 404)."""
+
+
 class UnauthenticatedError(SpecdecError):
     """No valid credentials: UNAUTHENTICATED. `reason` labels metrics and logs, not the client's message."""
 
@@ -71,6 +75,8 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
         return grpc.StatusCode.RESOURCE_EXHAUSTED, str(err)
     if isinstance(err, UnavailableError):
         return grpc.StatusCode.UNAVAILABLE, str(err)
+    if isinstance(err, NotFoundError):
+        return grpc.StatusCode.NOT_FOUND, str(err)
     if isinstance(err, NumericalError):
         return grpc.StatusCode.INTERNAL, str(err)
     if isinstance(err, TimeoutError):
@@ -83,3 +89,24 @@ def grpc_trailing_metadata_for(err: BaseException) -> tuple[tuple[str, str], ...
     if isinstance(err, (RateLimitedError, OverloadedError)):
         return (("retry-after", str(err.retry_after_s)),)
     return ()
+
+
+# HTTP status and OpenAI error `type` per gRPC status code name: the HTTP front end maps a domain error
+# through grpc_status_for first, so the two front ends can never disagree on what an error is.
+_HTTP_BY_GRPC_CODE: dict[str, tuple[int, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"),
+    "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"),
+    "PERMISSION_DENIED": (403, "permission_error"),
+    "NOT_FOUND": (404, "not_found_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "CANCELLED": (499, "cancelled"),
+    "UNAVAILABLE": (503, "service_unavailable_error"),
+    "DEADLINE_EXCEEDED": (504, "timeout_error"),
+}
+
+
+def http_status_for_grpc_code(code_name: str) -> tuple[int, str]:
+    """(HTTP status, OpenAI error type) for a gRPC status code's name; anything else is 500 server_error."""
+    return _HTTP_BY_GRPC_CODE.get(code_name, (500, "server_error"))

@@ -80,6 +80,8 @@ class GwConfig:
     stack: str  # "target", "draft", "eagle" or "ngram"
     temperature: float = 0.0
     baseline: str = "t"  # the target-only row of the same prompts and temperature
+    front: str = "grpc"  # "grpc", or "http": the OpenAI-compatible API with SSE streaming (httpx)
+    logprobs: int | None = None  # ask each token's logprobs with this many alternatives
 
 
 SAMPLED_T = 0.8
@@ -95,6 +97,9 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig(
         "gas", f"EAGLE head, adaptive k<={K_ADAPTIVE}, T={SAMPLED_T:g}", "general", "eagle-adaptive", SAMPLED_T, "ts"
     ),
+    # the HTTP front end and logprobs, each against the gRPC draft-model row (their "× target" is "× d4")
+    GwConfig("d4h", "draft model, k=4, HTTP/SSE (× d4)", "general", "draft", baseline="d4", front="http"),
+    GwConfig("d4l", "draft model, k=4, logprobs top 5 (× d4)", "general", "draft", baseline="d4", logprobs=5),
     GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target", baseline="tq"),
     GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram", baseline="tq"),
 )
@@ -171,6 +176,7 @@ class Stack:
     name: str
     procs: list[Proc] = field(default_factory=list)
     tls: ClientTLS | None = None  # how this script reaches the services (secure_bench: mutual TLS)
+    http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (0: off)
 
     @property
     def gateway(self) -> Proc:
@@ -242,7 +248,7 @@ def build_stacks(
     stacks = {}
     names = names or [n for n in STACK_KINDS if STACK_KINDS[n] != "eagle" or eagle_head]
     for name, kind in ((n, STACK_KINDS[n]) for n in names):
-        stack = Stack(name)
+        stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
         verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
@@ -265,6 +271,7 @@ def build_stacks(
         stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log"))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
         gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
+        gateway += ["--http-port", str(stack.http_port)]
         cmd = _command("specdec-gateway", "gateway.server") + gateway
         stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log"))
         stacks[name] = stack
@@ -350,11 +357,12 @@ async def run_gateway(
     temperature: float = 0.0,
     tls: ClientTLS | None = None,
     metadata: Sequence[tuple[str, str]] = (),
+    logprobs: int | None = None,
 ) -> Measurement:
     """`clients` concurrent clients work through the prompts (each client one request at a time). Sampled
     requests carry no seed, as most traffic: a seed would switch verification to coupling (docs/engine.md,
     "Seeded sampling"), which engine_bench measures beside rejection sampling. `tls` and `metadata` (an API
-    key) are secure_bench's client."""
+    key) are secure_bench's client. `logprobs`: ask each token's logprobs with that many alternatives."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -370,6 +378,8 @@ async def run_gateway(
                 request = gateway_pb2.GenerateRequest(
                     prompt_token_ids=prompt, max_tokens=max_tokens, temperature=temperature, ignore_eos=True
                 )
+                if logprobs is not None:
+                    request.logprobs, request.top_logprobs = True, logprobs
                 trace = Trace(time.perf_counter())
                 async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=tuple(metadata)):
                     now = time.perf_counter()
@@ -382,6 +392,60 @@ async def run_gateway(
                         trace.steps = msg.usage.num_steps
                 if trace.tokens != max_tokens:
                     raise RuntimeError(f"{address}: {trace.tokens} tokens instead of {max_tokens}")
+                traces.append((order[id(prompt)], trace))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(client() for _ in range(clients)))
+        wall = time.perf_counter() - start
+    return Measurement(wall, [t for _, t in sorted(traces, key=lambda x: x[0])])
+
+
+async def run_http(
+    base_url: str, prompts: Sequence[list[int]], clients: int, max_tokens: int, temperature: float = 0.0
+) -> Measurement:
+    """run_gateway's workload through the OpenAI-compatible API: /v1/completions with SSE streaming (token id
+    prompts, vLLM's return_token_ids for the per-event token counts, include_usage for the counters)."""
+    import httpx
+
+    queue: asyncio.Queue[list[int]] = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    traces: list[tuple[int, Trace]] = []
+    order = {id(p): i for i, p in enumerate(prompts)}
+    async with httpx.AsyncClient(base_url=base_url, timeout=RPC_TIMEOUT_S) as http:
+
+        async def client() -> None:
+            while not queue.empty():
+                prompt = queue.get_nowait()
+                body: dict[str, Any] = {
+                    "prompt": prompt,
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "ignore_eos": True,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                    "return_token_ids": True,
+                }
+                trace = Trace(time.perf_counter())
+                async with http.stream("POST", "/v1/completions", json=body) as reply:
+                    if reply.status_code != 200:
+                        raise RuntimeError(f"{base_url}: HTTP {reply.status_code}: {(await reply.aread())[:300]!r}")
+                    async for line in reply.aiter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        now = time.perf_counter()
+                        event = json.loads(line[len("data: ") :])
+                        ids = event["choices"][0].get("token_ids", []) if event["choices"] else []
+                        if ids:
+                            trace.times.append(now)
+                            trace.counts.append(len(ids))
+                            trace.ids.extend(ids)
+                        if event.get("usage"):
+                            trace.drafted = event["usage"]["drafted_tokens"]
+                            trace.accepted = event["usage"]["accepted_tokens"]
+                trace.steps = len(trace.counts)  # one event per engine step that emitted tokens
+                if trace.tokens != max_tokens:
+                    raise RuntimeError(f"{base_url}: {trace.tokens} tokens instead of {max_tokens}")
                 traces.append((order[id(prompt)], trace))
 
         start = time.perf_counter()
@@ -500,9 +564,14 @@ def run_benchmark(
         return ids[: plan.batch1_prompts] if clients == 1 else ids[:clients]
 
     def gw(cfg: GwConfig, clients: int, max_tokens: int) -> Measurement:
-        address = stacks[cfg.stack].gateway.address
+        stack = stacks[cfg.stack]
         prompts = prompts_for(cfg.prompt_set, clients)
-        return asyncio.run(run_gateway(address, prompts, clients, max_tokens, cfg.temperature))
+        if cfg.front == "http":
+            url = f"http://{HOST}:{stack.http_port}"
+            return asyncio.run(run_http(url, prompts, clients, max_tokens, cfg.temperature))
+        return asyncio.run(
+            run_gateway(stack.gateway.address, prompts, clients, max_tokens, cfg.temperature, logprobs=cfg.logprobs)
+        )
 
     def gw_prompts(address: str, prompts: list[list[int]], max_tokens: int) -> Measurement:
         return asyncio.run(run_gateway(address, prompts, 1, max_tokens))
@@ -637,6 +706,10 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
     pairs = [
         (("d4", 1), ("inproc", 1)),
         (("d4", 1), ("t", 1)),
+        (("d4h", 1), ("d4", 1)),
+        (("d4l", 1), ("d4", 1)),
+        (("d4h", 8), ("d4", 8)),
+        (("d4l", 8), ("d4", 8)),
         (("n4", 1), ("tq", 1)),
         (("d4", 8), ("t", 8)),
         (("n4", 8), ("tq", 8)),

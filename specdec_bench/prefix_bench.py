@@ -62,7 +62,7 @@ def build_stack(name: str, log_dir: Path, target: str, draft: str, caching: bool
     verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", "2", *flag]
     verifier += ["--proposer", f"{HOST}:{ports['proposer']}", "--num-speculative-tokens", str(K)]
     gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
-    gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
+    gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5", "--http-port", "0"]
     parts = (
         ("proposer", "specdec-proposer", "proposer_service.server", proposer),
         ("verifier", "specdec-verifier", "verifier_service.server", verifier),

@@ -14,4 +14,4 @@ import torch  # noqa: E402
 torch.set_num_threads(2)
 
 # Real-model fixtures (session-scoped: models load once, references are generated once per run).
-from tests.real_models import draft, greedy_references, prompts, target, tokenizer  # noqa: E402, F401
+from tests.real_models import draft, greedy_references, hf_target, prompts, target, tokenizer  # noqa: E402, F401

@@ -30,6 +30,12 @@ def draft():
 
 
 @pytest.fixture(scope="session")
+def hf_target():
+    """transformers' own model of the target: the reference for greedy outputs and logprobs."""
+    return load_hf_model(default_target_model())
+
+
+@pytest.fixture(scope="session")
 def prompts(tokenizer) -> list[list[int]]:
     return encode_prompts(tokenizer)
 

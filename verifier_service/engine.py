@@ -17,6 +17,7 @@ import torch
 from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore, SparseProbs
 from shared.errors import InvalidRequestError, QueueFullError
 from shared.kv.block_manager import BlockManager
+from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams, logits_to_probs
 from verifier_service.rejection_sampler import (
@@ -88,6 +89,7 @@ class RequestOutput:
     num_cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
     features: FeatureStore | None = None  # on the finishing output, when the engine captures features
     error: str | None = None  # set when this request failed alone (finish_reason ABORT): why, for a person
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -144,17 +146,27 @@ class Engine:
         params: SamplingParams,
         max_draft_tokens: int | None = None,
         output_offset: int = 0,
+        num_logprobs: int | None = None,
     ) -> None:
         """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
         `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
-        seeded sampling's output positions start."""
+        seeded sampling's output positions start. `num_logprobs`: None, or report each emitted token's
+        log-probability with that many top alternatives (shared/logprobs.py)."""
         self._validate(request_id, prompt_ids, params)
+        if num_logprobs is not None and not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, self.runner.vocab_size):
+            raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {num_logprobs}")
         if max_draft_tokens is not None and max_draft_tokens < 0:
             raise RequestError(f"max_draft_tokens must be >= 0, got {max_draft_tokens}")
         if not 0 <= output_offset <= len(prompt_ids):
             raise RequestError(f"output_offset must lie in [0, {len(prompt_ids)}] (the prompt), got {output_offset}")
         seq = Sequence(
-            request_id, list(prompt_ids), params, next(self._arrivals), max_draft_tokens, output_offset=output_offset
+            request_id,
+            list(prompt_ids),
+            params,
+            next(self._arrivals),
+            max_draft_tokens,
+            output_offset=output_offset,
+            num_logprobs=num_logprobs,
         )
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
@@ -235,12 +247,16 @@ class Engine:
             self._keep_features(s.seq, h, s.num_feed)
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
-        for (s, draft, _), tokens, h in zip(sampling, emitted, sampled_hidden, strict=True):
+        for (s, draft, lg), tokens, h in zip(sampling, emitted, sampled_hidden, strict=True):
             if isinstance(tokens, str):
                 outputs.append(self._fail(s.seq, tokens))
                 continue
             self._keep_features(s.seq, h, s.num_feed + len(tokens) - 1)  # fed tokens and accepted drafts
-            outputs.append(self._commit(s, draft, tokens))
+            # Token j of a row was decided at its scored position j (accepted drafts, then the recovered or
+            # bonus token), so the raw logits of this one scoring pass give every token's log-probability.
+            num_top = s.seq.num_logprobs
+            logprobs = token_logprobs(lg, tokens, num_top) if num_top is not None else None
+            outputs.append(self._commit(s, draft, tokens, logprobs))
         if observer is not None:
             observer.step_finished(outputs, start, proposed, scored, verified)
         return outputs
@@ -383,7 +399,9 @@ class Engine:
         )
         return probs.view(batch, positions, vocab)
 
-    def _commit(self, s: ScheduledSeq, draft: Draft | None, tokens: list[int]) -> RequestOutput:
+    def _commit(
+        self, s: ScheduledSeq, draft: Draft | None, tokens: list[int], logprobs: list[TokenLogprob] | None = None
+    ) -> RequestOutput:
         seq = s.seq
         k = len(draft.token_ids) if draft else 0
         num_accepted = len(tokens) - 1
@@ -400,6 +418,8 @@ class Engine:
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
         out.num_cached_prompt = seq.num_cached_prompt or 0
+        if logprobs is not None:
+            out.logprobs = logprobs[: len(new_tokens)]
         if seq.is_finished:
             out.output_ids = seq.output_ids
             out.features = seq.features

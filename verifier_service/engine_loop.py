@@ -16,6 +16,7 @@ from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 from shared.errors import NumericalError, ReaderStalledError, UnavailableError
+from shared.logprobs import TokenLogprob
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
@@ -53,6 +54,7 @@ class Update:
     finish_reason: FinishReason | None
     usage: RequestUsage  # cumulative, a snapshot
     stop_token_id: int | None = None  # when finish_reason is STOP: the token that stopped it
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
     @property
     def finished(self) -> bool:
@@ -183,6 +185,7 @@ class EngineLoop:
         params: SamplingParams,
         max_draft_tokens: int | None = None,
         output_offset: int = 0,
+        num_logprobs: int | None = None,
     ) -> AsyncGenerator[Update, None]:
         """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
         update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
@@ -195,7 +198,7 @@ class EngineLoop:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
-            self.engine.add_request(request_id, list(prompt_ids), params, max_draft_tokens, output_offset)
+            self.engine.add_request(request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs)
             self._requests[request_id] = tracked
             self._idle.clear()
         self._wake.set()
@@ -276,7 +279,12 @@ class EngineLoop:
                 continue
             stop_token = out.new_token_ids[-1] if out.finish_reason == FinishReason.STOP and out.new_token_ids else None
             update = Update(
-                out.request_id, list(out.new_token_ids), out.finish_reason, dataclasses.replace(usage), stop_token
+                out.request_id,
+                list(out.new_token_ids),
+                out.finish_reason,
+                dataclasses.replace(usage),
+                stop_token,
+                out.logprobs,
             )
             tracked.queue.put_nowait(update)
             if out.finished:

@@ -18,6 +18,8 @@ import grpc
 from shared.config import load_config
 from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
+from shared.logprobs import check_top_logprobs
+from shared.logprobs import to_proto as logprobs_to_proto
 from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
@@ -55,6 +57,7 @@ def request_to_domain(
     request: verifier_pb2.VerifierGenerateRequest, *, max_model_len: int, default_max_tokens: int
 ) -> tuple[list[int], SamplingParams, int | None]:
     """(prompt ids, sampling params, max_draft_tokens). Raises InvalidRequestError with a readable message.
+    The logprobs fields: see num_logprobs_of.
 
     Sampling values, token ids, the prompt's length and stop ids are checked by the engine
     (SamplingParams.validate), so the checks hold for every caller and are written once.
@@ -75,10 +78,20 @@ def request_to_domain(
     return prompt, params, max_draft
 
 
-def update_to_proto(update: Update) -> verifier_pb2.VerifierGenerateResponse:
+def num_logprobs_of(request: verifier_pb2.VerifierGenerateRequest) -> int | None:
+    """None without logprobs, else the number of top alternatives per token."""
+    why = check_top_logprobs(request.logprobs, request.top_logprobs)
+    if why is not None:
+        raise InvalidRequestError(why)
+    return request.top_logprobs if request.logprobs else None
+
+
+def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier_pb2.VerifierGenerateResponse:
     msg = verifier_pb2.VerifierGenerateResponse(
         token_ids=update.token_ids, finish_reason=FINISH_TO_PROTO[update.finish_reason]
     )
+    if num_logprobs is not None:
+        logprobs_to_proto(update.logprobs or [], num_logprobs, msg.logprobs)
     if update.finished:
         u = update.usage
         msg.usage.CopyFrom(
@@ -166,11 +179,12 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             prompt, params, max_draft = request_to_domain(
                 request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
             )
-            updates = self.loop.generate(request_id, prompt, params, max_draft, request.output_offset)
+            num_logprobs = num_logprobs_of(request)
+            updates = self.loop.generate(request_id, prompt, params, max_draft, request.output_offset, num_logprobs)
             async with contextlib.aclosing(updates):
                 async for update in updates:
                     self.telemetry.request_update(traced, len(update.token_ids))
-                    yield update_to_proto(update)
+                    yield update_to_proto(update, num_logprobs)
                     if update.finished:
                         u = update.usage
                         self.telemetry.request_finished(traced, u, update.finish_reason)

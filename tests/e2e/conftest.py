@@ -200,6 +200,7 @@ class Stack:
     pki: PKI | None = None
     tls: ClientTLS | None = None
     api_key: str = ""
+    http_port: int = field(default_factory=free_port)  # the gateway's OpenAI-compatible HTTP API
 
     def get(self, name: str) -> Service:
         for s in self.services:
@@ -382,6 +383,8 @@ def build_stack(
                 HOST,
                 "--port",
                 str(gateway_port),
+                "--http-port",
+                str(stack.http_port),
                 "--health-check-timeout-s",
                 "5",
                 "--expose-backends",  # the stack waits for healthy verifiers in GetStats

@@ -250,6 +250,35 @@ def test_greedy_streams_match_transformers(e2e_stack: Stack, prompts, greedy_ref
     assert drafted > 0 and accepted > 0, f"drafted {drafted}, accepted {accepted}: speculation did not happen"
 
 
+def test_openai_client_over_http_matches_transformers(e2e_stack: Stack, greedy_references, tokenizer):
+    """The gateway process's OpenAI-compatible HTTP API with the official client: a streamed greedy chat
+    (the chat template applied by the gateway) is transformers' greedy output of the templated prompt."""
+    import openai
+
+    from tests.prompts import CHAT_PROMPTS
+
+    async def run() -> tuple[str, Any, list[Any]]:
+        base_url = f"http://127.0.0.1:{e2e_stack.http_port}/v1"
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+        model = (await client.models.list()).data[0].id
+        stream = await client.chat.completions.create(
+            model=model,
+            messages=[{"role": "user", "content": CHAT_PROMPTS[0]}],
+            max_tokens=32,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+        return model, chunks[-1].usage, chunks
+
+    _, usage, chunks = asyncio.run(run())
+    ref = greedy_references[0][:32]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == tokenizer.decode(ref, skip_special_tokens=True)
+    assert usage.completion_tokens == len(ref) and (usage.model_extra or {})["drafted_tokens"] > 0
+
+
 # ---- 2. many concurrent clients, mixed parameters --------------------------------------------------------
 
 

@@ -161,7 +161,15 @@ def build(tmp_path) -> Stack:
             "specdec-gateway",
             gateway_port,
             # --expose-backends: the harness waits for a healthy verifier in the gateway's GetStats.
-            ["--verifiers", f"{HOST}:{verifier_port}", "--tokenizer", default_target_model(), "--expose-backends"],
+            [
+                "--verifiers",
+                f"{HOST}:{verifier_port}",
+                "--tokenizer",
+                default_target_model(),
+                "--expose-backends",
+                "--http-port",
+                "0",
+            ],
         ),
     ]
     return stack

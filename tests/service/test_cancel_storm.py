@@ -56,7 +56,11 @@ def test_thousands_of_cancelled_streams_leave_nothing_behind(tokenizer):
         proposer = await start_proposer()
         verifier = await start_verifier([f"127.0.0.1:{proposer.port}"], num_kv_blocks=KV_BLOCKS)
         config = GatewayConfig(
-            verifiers=(f"127.0.0.1:{verifier.port}",), host="127.0.0.1", port=0, health_check_interval_s=0.2
+            verifiers=(f"127.0.0.1:{verifier.port}",),
+            host="127.0.0.1",
+            port=0,
+            http_port=0,
+            health_check_interval_s=0.2,
         )
         gateway = await start_gateway(config, tokenizer=tokenizer)
         try:

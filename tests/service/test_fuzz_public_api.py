@@ -53,6 +53,7 @@ TOKENIZER_VOCAB = 49152
 CONFIG = dict(
     host="127.0.0.1",
     port=0,
+    http_port=0,
     health_check_interval_s=0.2,
     drain_timeout_s=0.5,
     default_max_tokens=8,  # an unset max_tokens stays cheap

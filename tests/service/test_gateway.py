@@ -176,6 +176,7 @@ class Harness:
             "health_check_timeout_s": 2.0,
             "expose_backends": True,
             "enable_reflection": True,
+            "http_port": 0,
             **config,
         }
         self.config = GatewayConfig(verifiers=self.verifiers, host="127.0.0.1", port=0, drain_timeout_s=0.5, **settings)

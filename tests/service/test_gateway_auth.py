@@ -322,7 +322,7 @@ def test_right_key_gives_the_greedy_reference_of_a_real_verifier(tokenizer, tmp_
     async def scenario() -> None:
         verifier = await start_verifier()
         configs = [
-            GatewayConfig(verifiers=(f"127.0.0.1:{verifier.port}",), host="127.0.0.1", port=0, **extra)
+            GatewayConfig(verifiers=(f"127.0.0.1:{verifier.port}",), host="127.0.0.1", port=0, http_port=0, **extra)
             for extra in ({"api_keys_file": str(path)}, {})
         ]
         gateways = [await start_gateway(c, tokenizer=tokenizer) for c in configs]
@@ -360,7 +360,8 @@ def test_api_key_flags_and_environment(monkeypatch, tmp_path):
     bad.write_text(f"{ALICE} alice\n{ALICE} again\n")
 
     async def start_bad() -> None:
-        await start_gateway(GatewayConfig(host="127.0.0.1", port=0, api_keys_file=str(bad)), tokenizer=object())
+        config = GatewayConfig(host="127.0.0.1", port=0, http_port=0, api_keys_file=str(bad))
+        await start_gateway(config, tokenizer=object())
 
     with pytest.raises(ValueError, match="line 2: the same key"):
         asyncio.run(start_bad())

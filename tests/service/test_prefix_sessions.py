@@ -39,7 +39,7 @@ def test_session_turns_hit_the_prefix_cache_and_fall_back_from_scratch():
         verifiers = [await start_verifier() for _ in range(2)]
         addresses = tuple(f"127.0.0.1:{v.port}" for v in verifiers)
         config = GatewayConfig(
-            verifiers=addresses, host="127.0.0.1", port=0, health_check_interval_s=0.1, drain_timeout_s=0.5
+            verifiers=addresses, host="127.0.0.1", port=0, http_port=0, health_check_interval_s=0.1, drain_timeout_s=0.5
         )
         gateway = await start_gateway(config, tokenizer=tokenizer)
         session = "chat-42"

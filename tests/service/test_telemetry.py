@@ -84,7 +84,7 @@ class Stack:
             telemetry=self._telemetry("verifier"),
         )
         assert self.verifier.proposer is not None and await self.verifier.proposer.wait_connected(10)
-        config = GatewayConfig(verifiers=(f"127.0.0.1:{self.verifier.port}",), host="127.0.0.1", port=0)
+        config = GatewayConfig(verifiers=(f"127.0.0.1:{self.verifier.port}",), host="127.0.0.1", port=0, http_port=0)
         self.gateway: RunningGateway = await start_gateway(config, self.tokenizer, self._telemetry("gateway"))
         self.channel = grpc.aio.insecure_channel(self.gateway.address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.channel)

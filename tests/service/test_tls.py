@@ -189,6 +189,7 @@ def test_gateway_server_only_tls_in_front_of_mutual_tls(pki):
             verifiers=(f"127.0.0.1:{verifier.port}",),
             host="127.0.0.1",
             port=0,
+            http_port=0,
             health_check_interval_s=0.2,
             drain_timeout_s=0.5,
             tls_server_name=SERVER_NAME,
