@@ -62,13 +62,20 @@ class SamplingParams:
 
 
 def params_to_tensors(params: list[SamplingParams], device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
-    """Per-row parameter tensors for a batched `logits_to_probs` call."""
+    """Per-row parameter tensors for a batched `logits_to_probs` call. Keep them on the CPU (the default):
+    `logits_to_probs` decides on the host which rows need which work, and moves only what the math reads."""
     return {
         "temperature": torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
         "top_k": torch.tensor([p.top_k for p in params], dtype=torch.int64, device=device),
         "top_p": torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
         "min_p": torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
     }
+
+
+# Width of the partial top-k that truncating rows look at first (widened to max(top_k) + 1). A row whose
+# kept set does not end inside the window (a nucleus wider than it) falls back to a full sort.
+TRUNCATION_WINDOW = 256
+WIDER_WINDOW = 8  # the second window, before a full sort
 
 
 def logits_to_probs(
@@ -78,21 +85,31 @@ def logits_to_probs(
     top_p: torch.Tensor,  # [n]; 1 = off
     min_p: torch.Tensor,  # [n]; 0 = off
 ) -> torch.Tensor:  # [n, vocab] fp32, rows sum to 1
+    """Greedy rows are the one-hot of the first argmax; the others softmax(logits / T) over the tokens that
+    top-k, then top-p, then min-p keep (the order transformers applies them). Ties are kept together: a token
+    survives a rule exactly when any token of equal logit does, so the result never depends on sort order.
+
+    Each row pays only for what it asks: greedy rows an argmax, plain-temperature rows a softmax, truncating
+    rows a partial top-k over TRUNCATION_WINDOW tokens, and a full sort only when their kept set is wider."""
     logits = logits.float()
-    greedy = temperature == 0
+    n, vocab = logits.shape
+    # Row routing is decided on the host from the parameters (no device round trip when they live there).
+    temperature, top_k, top_p, min_p = (t.cpu() for t in (temperature, top_k, top_p, min_p))
+    greedy = temperature == 0  # [n]
     if bool(greedy.all()):  # the common greedy batch: no softmax over the vocabulary to throw away
         return _argmax_one_hot(logits)
-    # Greedy rows use temperature 1 here and are replaced by one-hot rows at the end.
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
-
-    vocab = logits.shape[-1]
-    if bool((top_k > 0).any()) or bool((top_p < 1).any()) or bool((min_p > 0).any()):
-        scaled = _truncate(scaled, top_k, top_p, min_p, vocab)
-    probs = torch.softmax(scaled, dim=-1)
-
+    truncates = ~greedy & ((top_k > 0) | (top_p < 1) | (min_p > 0))  # [n]
     if bool(greedy.any()):
-        probs = torch.where(greedy.unsqueeze(-1), _argmax_one_hot(logits), probs)
-    return probs
+        probs = torch.empty(n, vocab, dtype=torch.float32, device=logits.device)
+        greedy_rows = greedy.nonzero().flatten().to(logits.device)
+        probs[greedy_rows] = _argmax_one_hot(logits[greedy_rows])
+        sampled = (~greedy).nonzero().flatten()
+        probs[sampled.to(logits.device)] = _sampled_probs(
+            logits[sampled.to(logits.device)], temperature[sampled], top_k[sampled], top_p[sampled],
+            min_p[sampled], truncates[sampled],
+        )  # fmt: skip
+        return probs
+    return _sampled_probs(logits, temperature, top_k, top_p, min_p, truncates)
 
 
 def _argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n, vocab] fp32
@@ -101,25 +118,98 @@ def _argmax_one_hot(logits: torch.Tensor) -> torch.Tensor:  # [n, vocab] -> [n, 
     return one_hot.scatter_(-1, logits.argmax(dim=-1, keepdim=True), 1.0)
 
 
-def _truncate(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor, vocab: int
-) -> torch.Tensor:
-    """Mask out tokens removed by top-k, then top-p, then min-p (the order transformers applies them)."""
-    sorted_logits, sorted_idx = scaled.sort(dim=-1, descending=True)  # [n, vocab]
-    ranks = torch.arange(vocab, device=scaled.device).unsqueeze(0)  # [1, vocab]
-    k = torch.where(top_k > 0, top_k.clamp(max=vocab), torch.full_like(top_k, vocab)).unsqueeze(-1)
-    remove = ranks >= k
+def _sampled_probs(
+    logits: torch.Tensor,  # [m, vocab] fp32
+    temperature: torch.Tensor,  # [m] CPU, > 0
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    truncates: torch.Tensor,  # [m] bool CPU: the rows with top-k, top-p or min-p on
+) -> torch.Tensor:  # [m, vocab]
+    device = logits.device
+    scaled = logits / temperature.to(device).unsqueeze(-1)  # [m, vocab]
+    if bool(truncates.all()):
+        scaled = truncate_logits(scaled, top_k, top_p, min_p, TRUNCATION_WINDOW)
+    elif bool(truncates.any()):
+        rows = truncates.nonzero().flatten()
+        on_device = rows.to(device)
+        scaled[on_device] = truncate_logits(scaled[on_device], top_k[rows], top_p[rows], min_p[rows], TRUNCATION_WINDOW)
+    return torch.softmax(scaled, dim=-1)
 
-    sorted_logits = sorted_logits.masked_fill(remove, float("-inf"))
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p: a token goes when the mass before it already does.
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    # top_p == 1 is "off": the fp32 cumsum saturates at 1.0 before the tail, which would otherwise
-    # drop every tail token of a top_p = 1 row that shares the batch with a truncating row.
-    top_p_on = (top_p < 1).unsqueeze(-1)
-    remove |= top_p_on & (mass_before >= top_p.unsqueeze(-1))
-    remove |= sorted_probs < (min_p.unsqueeze(-1) * sorted_probs[:, :1])
+
+def truncate_logits(
+    scaled: torch.Tensor,  # [m, vocab] fp32, temperature applied
+    top_k: torch.Tensor,  # [m] CPU int64
+    top_p: torch.Tensor,  # [m] CPU
+    min_p: torch.Tensor,  # [m] CPU
+    window: int,
+) -> torch.Tensor:  # [m, vocab]: removed tokens set to -inf
+    """top-k, then top-p, then min-p, decided on a partial top-k of the largest logits of each row.
+
+    Every rule removes a token by its value alone (ties share a fate) and removes a lower token whenever it
+    removes a higher one, so the kept set is {logit >= cutoff}. When a row's window ends with a removed token
+    the cutoff lies inside it; rows whose window is all kept try a window WIDER_WINDOW times larger, then the
+    whole sorted row. The window starts at max(top_k) + 1 when every row sets top_k (nothing past it can
+    survive), else at max(window, max(top_k) + 1)."""
+    vocab = scaled.shape[-1]
+    k_on = top_k > 0
+    needed = int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0
+    width = needed if bool(k_on.all()) else max(window, needed)
+    cutoff = torch.empty(scaled.shape[0], dtype=scaled.dtype, device=scaled.device)  # [m]
+    rows = torch.arange(scaled.shape[0])  # [r] CPU: the rows still open
+    for stage_width in (width, width * WIDER_WINDOW, vocab):
+        on_device = rows.to(scaled.device)
+        row_scaled = scaled if rows.numel() == scaled.shape[0] else scaled[on_device]
+        row_cutoff, resolved = _cutoffs(row_scaled, top_k[rows], top_p[rows], min_p[rows], min(stage_width, vocab))
+        cutoff[on_device] = row_cutoff
+        rows = rows[~resolved]
+        if rows.numel() == 0:
+            break
+    return scaled.masked_fill(scaled < cutoff.unsqueeze(-1), float("-inf"))
+
+
+def _cutoffs(
+    scaled: torch.Tensor,  # [m, vocab]
+    top_k: torch.Tensor,  # [m] CPU
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # cutoff [m] (on scaled's device; valid where resolved), resolved [m] CPU
+    device = scaled.device
+    vocab = scaled.shape[-1]
+    if width >= vocab:
+        values = scaled.sort(dim=-1, descending=True).values  # [m, vocab]
+    else:
+        values = scaled.topk(width, dim=-1, sorted=True).values  # [m, width], descending
+    k_on = (top_k > 0) & (top_k < vocab)  # [m] CPU
+    k = torch.where(k_on, top_k, torch.full_like(top_k, width)).clamp(max=width).to(device)
+    # top-k keeps every token at least as large as the k-th largest (its ties included, as transformers does).
+    kth = values.gather(-1, (k - 1).unsqueeze(-1))  # [m, 1]
+    kth = torch.where(k_on.to(device).unsqueeze(-1), kth, torch.full_like(kth, float("-inf")))
+    top = values[:, :1]  # [m, 1]
+    unnormalised = torch.exp(values - top).masked_fill(values < kth, 0.0)  # [m, width]
+    # The survivors of top-k are normalised by their sorted running sum (the same fp32 number whatever the
+    # window, as long as it holds them all); without top-k, by the whole row's sum, as softmax does.
+    norm = unnormalised.cumsum(dim=-1)[:, -1:]  # [m, 1]
+    if not bool(k_on.all()):
+        no_k = (~k_on).nonzero().flatten().to(device)
+        norm[no_k] = torch.exp(scaled[no_k] - top[no_k]).sum(dim=-1, keepdim=True)
+    probs = unnormalised / norm  # [m, width]
+    remove = values < kth
+    # top-p: a token goes when the mass of the tokens strictly above it already reaches top_p. cummax keeps the
+    # fp32 running mass monotone; each tie group reads the mass before its first member.
+    mass_before = (probs.cumsum(dim=-1) - probs).cummax(dim=-1).values  # [m, width]
+    positions = torch.arange(width, device=device).expand_as(values)
+    group_start = torch.ones_like(values, dtype=torch.bool)
+    group_start[:, 1:] = values[:, 1:] != values[:, :-1]
+    first_of_group = torch.where(group_start, positions, torch.zeros_like(positions)).cummax(dim=-1).values
+    mass_before = mass_before.gather(-1, first_of_group)
+    top_p_dev = top_p.to(device).unsqueeze(-1)
+    remove |= (top_p_dev < 1) & (mass_before >= top_p_dev)
+    remove |= probs < min_p.to(device).unsqueeze(-1) * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
-
-    mask = torch.zeros_like(remove).scatter(-1, sorted_idx, remove)
-    return scaled.masked_fill(mask, float("-inf"))
+    num_kept = (~remove).sum(dim=-1, keepdim=True)  # [m, 1]; removal is monotone, so the kept are a prefix
+    cutoff = values.gather(-1, num_kept - 1).squeeze(-1)  # [m]
+    # A row is decided when its window's last token is removed; then so is everything below the window.
+    resolved = remove[:, -1].cpu() | (width >= vocab)
+    return cutoff, resolved
