@@ -30,7 +30,11 @@ torch.set_num_threads(2)
 def sparse_batch(seed: int, one_hot: bool):
     """Mixed k_i, a target with holes, drafts sampled from a top-3 sparse draft (or fixed, one-hot)."""
     gen = torch.Generator().manual_seed(seed)
-    batch, vocab, k_max = 7, int(torch.randint(3, 30, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+    batch, vocab, k_max = (
+        7,
+        int(torch.randint(3, 30, (1,), generator=gen)),
+        int(torch.randint(1, 5, (1,), generator=gen)),
+    )
     num_draft = torch.randint(0, k_max + 1, (batch,), generator=gen)
     target = random_probs((batch, k_max + 1, vocab), gen, scale=2.0)
     target = target * (torch.rand(target.shape, generator=gen) > 0.3)
@@ -70,7 +74,9 @@ def test_greedy_verify_equals_rejection_sampling_of_one_hot_targets(seed):
     batch, k_max, vocab = 9, 4, 6  # a small vocabulary: drafts often match
     argmax = torch.randint(0, vocab, (batch, k_max + 1), generator=gen)
     target = torch.zeros(batch, k_max + 1, vocab).scatter_(-1, argmax.unsqueeze(-1), 1.0)
-    draft_ids = torch.where(torch.rand(batch, k_max, generator=gen) < 0.7, argmax[:, :k_max], (argmax[:, :k_max] + 1) % vocab)
+    draft_ids = torch.where(
+        torch.rand(batch, k_max, generator=gen) < 0.7, argmax[:, :k_max], (argmax[:, :k_max] + 1) % vocab
+    )
     num_draft = torch.randint(0, k_max + 1, (batch,), generator=gen)
     want = rejection_sample(target, draft_ids, None, num_draft, make_generators(batch, seed))
     got = greedy_verify(argmax, draft_ids, num_draft)
@@ -95,9 +101,7 @@ def test_output_law_of_the_sparse_and_one_hot_forms(kind, vocab, k_max):
     draft_ids = sample_drafts(draft, n, gen)
     if kind == "sparse":
         top = draft.topk(3, dim=-1)  # the dense draft is exactly this support
-        form: SparseDraftProbs | None = SparseDraftProbs(
-            top.indices.expand(n, -1, -1), top.values.expand(n, -1, -1)
-        )
+        form: SparseDraftProbs | None = SparseDraftProbs(top.indices.expand(n, -1, -1), top.values.expand(n, -1, -1))
     else:
         form = None
     result = rejection_sample(target.expand(n, -1, -1), draft_ids, form, num_draft, make_generators(n, seed))
