@@ -129,58 +129,70 @@ def _sampled_probs(
     device = logits.device
     scaled = logits / temperature.to(device).unsqueeze(-1)  # [m, vocab]
     if bool(truncates.all()):
-        scaled = truncate_logits(scaled, top_k, top_p, min_p, TRUNCATION_WINDOW)
-    elif bool(truncates.any()):
+        return truncated_probs(scaled, top_k, top_p, min_p, TRUNCATION_WINDOW)
+    probs = torch.softmax(scaled, dim=-1)
+    if bool(truncates.any()):
         rows = truncates.nonzero().flatten()
         on_device = rows.to(device)
-        scaled[on_device] = truncate_logits(scaled[on_device], top_k[rows], top_p[rows], min_p[rows], TRUNCATION_WINDOW)
-    return torch.softmax(scaled, dim=-1)
+        probs[on_device] = truncated_probs(scaled[on_device], top_k[rows], top_p[rows], min_p[rows], TRUNCATION_WINDOW)
+    return probs
 
 
-def truncate_logits(
+def truncated_probs(
     scaled: torch.Tensor,  # [m, vocab] fp32, temperature applied
     top_k: torch.Tensor,  # [m] CPU int64
     top_p: torch.Tensor,  # [m] CPU
     min_p: torch.Tensor,  # [m] CPU
     window: int,
-) -> torch.Tensor:  # [m, vocab]: removed tokens set to -inf
+) -> torch.Tensor:  # [m, vocab]: softmax over the kept tokens, 0 elsewhere
     """top-k, then top-p, then min-p, decided on a partial top-k of the largest logits of each row.
 
     Every rule removes a token by its value alone (ties share a fate) and removes a lower token whenever it
-    removes a higher one, so the kept set is {logit >= cutoff}. When a row's window ends with a removed token
-    the cutoff lies inside it; rows whose window is all kept try a window WIDER_WINDOW times larger, then the
-    whole sorted row. The window starts at max(top_k) + 1 when every row sets top_k (nothing past it can
-    survive), else at max(window, max(top_k) + 1)."""
+    removes a higher one, so the kept tokens are a prefix of the row sorted by logit. When a row's window ends
+    with a removed token the prefix lies inside it, and the row's probabilities are the softmax of that
+    prefix, scattered into a zero row: nothing vocabulary-wide but the zeros. Rows whose window is all kept
+    try a window WIDER_WINDOW times larger, then the whole sorted row. The window starts at max(top_k) + 1
+    when every row sets top_k (nothing past it can survive), else at max(window, max(top_k) + 1)."""
     vocab = scaled.shape[-1]
     k_on = top_k > 0
     needed = int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0
     width = needed if bool(k_on.all()) else max(window, needed)
-    cutoff = torch.empty(scaled.shape[0], dtype=scaled.dtype, device=scaled.device)  # [m]
+    probs = torch.zeros_like(scaled)  # [m, vocab]
     rows = torch.arange(scaled.shape[0])  # [r] CPU: the rows still open
     for stage_width in (width, width * WIDER_WINDOW, vocab):
         on_device = rows.to(scaled.device)
         row_scaled = scaled if rows.numel() == scaled.shape[0] else scaled[on_device]
-        row_cutoff, resolved = _cutoffs(row_scaled, top_k[rows], top_p[rows], min_p[rows], min(stage_width, vocab))
-        cutoff[on_device] = row_cutoff
+        stage = min(stage_width, vocab)
+        values, ids, num_kept, resolved = _kept_prefix(row_scaled, top_k[rows], top_p[rows], min_p[rows], stage)
+        done = resolved.nonzero().flatten()
+        if done.numel():
+            done_device = done.to(scaled.device)
+            kept = torch.arange(stage, device=scaled.device).unsqueeze(0) < num_kept[done_device]  # [d, stage]
+            prefix = torch.softmax(values[done_device].masked_fill(~kept, float("-inf")), dim=-1)  # [d, stage]
+            probs[rows[done].to(scaled.device)] = probs.new_zeros(done.numel(), vocab).scatter_(
+                -1, ids[done_device], prefix
+            )
         rows = rows[~resolved]
         if rows.numel() == 0:
             break
-    return scaled.masked_fill(scaled < cutoff.unsqueeze(-1), float("-inf"))
+    return probs
 
 
-def _cutoffs(
+def _kept_prefix(
     scaled: torch.Tensor,  # [m, vocab]
     top_k: torch.Tensor,  # [m] CPU
     top_p: torch.Tensor,
     min_p: torch.Tensor,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # cutoff [m] (on scaled's device; valid where resolved), resolved [m] CPU
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The `width` largest logits [m, width] (descending), their ids [m, width], how many of them are kept
+    [m, 1], and whether that decides the row [m] CPU bool (its window ends with a removed token)."""
     device = scaled.device
     vocab = scaled.shape[-1]
     if width >= vocab:
-        values = scaled.sort(dim=-1, descending=True).values  # [m, vocab]
+        values, ids = scaled.sort(dim=-1, descending=True)  # [m, vocab]
     else:
-        values = scaled.topk(width, dim=-1, sorted=True).values  # [m, width], descending
+        values, ids = scaled.topk(width, dim=-1, sorted=True)  # [m, width], descending
     k_on = (top_k > 0) & (top_k < vocab)  # [m] CPU
     k = torch.where(k_on, top_k, torch.full_like(top_k, width)).clamp(max=width).to(device)
     # top-k keeps every token at least as large as the k-th largest (its ties included, as transformers does).
@@ -209,7 +221,6 @@ def _cutoffs(
     remove |= probs < min_p.to(device).unsqueeze(-1) * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
     num_kept = (~remove).sum(dim=-1, keepdim=True)  # [m, 1]; removal is monotone, so the kept are a prefix
-    cutoff = values.gather(-1, num_kept - 1).squeeze(-1)  # [m]
     # A row is decided when its window's last token is removed; then so is everything below the window.
     resolved = remove[:, -1].cpu() | (width >= vocab)
-    return cutoff, resolved
+    return values, ids, num_kept, resolved
