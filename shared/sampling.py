@@ -221,6 +221,8 @@ def _kept_prefix(
     remove |= probs < min_p.to(device).unsqueeze(-1) * probs[:, :1]
     remove[:, 0] = False  # the most likely token always survives
     num_kept = (~remove).sum(dim=-1, keepdim=True)  # [m, 1]; removal is monotone, so the kept are a prefix
-    # A row is decided when its window's last token is removed; then so is everything below the window.
-    resolved = remove[:, -1].cpu() | (width >= vocab)
+    # A row is decided when its window's last token is removed (then so is everything below the window), and
+    # its top-k survivors all lie inside the window (else the norm above missed some: ties past the window).
+    closed = (values[:, -1:] < kth).squeeze(-1) | ~k_on.to(device)  # [m]
+    resolved = (remove[:, -1] & closed).cpu() | (width >= vocab)
     return values, ids, num_kept, resolved

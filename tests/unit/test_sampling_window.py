@@ -93,3 +93,13 @@ def test_ties_at_the_top_k_boundary_are_kept_together():
     logits = torch.tensor([[3.0, 1.0, 2.0, 2.0, 2.0, 0.0]])
     probs = logits_to_probs(logits, **params_to_tensors([SamplingParams(temperature=1.0, top_k=2)]))[0]
     assert (probs > 0).tolist() == [True, False, True, True, True, False]
+
+
+def test_top_k_ties_past_the_window_reopen_the_row():
+    # top_k = 2 keeps all 25 tokens tied at the 2nd value; the 3-wide window holds only 2 of them, so its
+    # top-p mass would be wrong: the row must be decided over a wider window (everything is kept here).
+    logits = torch.tensor([[-4.0] * 25 + [-1.0]])
+    params = SamplingParams(temperature=1.0, top_k=2, top_p=0.5)
+    probs = logits_to_probs(logits, **params_to_tensors([params]))[0]
+    assert bool((probs > 0).all())
+    torch.testing.assert_close(probs, full_sort_reference(logits[0], params), rtol=1e-6, atol=1e-9)
