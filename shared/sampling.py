@@ -157,18 +157,27 @@ def truncated_probs(
     k_on = top_k > 0
     needed = int(top_k[k_on].max()) + 1 if bool(k_on.any()) else 0
     width = needed if bool(k_on.all()) else max(window, needed)
+    # Rows without top-k read their masses off the whole row's softmax (one fused pass).
+    full = None if bool((k_on & (top_k < vocab)).all()) else torch.softmax(scaled, dim=-1)  # [m, vocab]
     probs = torch.zeros_like(scaled)  # [m, vocab]
     rows = torch.arange(scaled.shape[0])  # [r] CPU: the rows still open
     for stage_width in (width, width * WIDER_WINDOW, vocab):
+        every_row = rows.numel() == scaled.shape[0]
         on_device = rows.to(scaled.device)
-        row_scaled = scaled if rows.numel() == scaled.shape[0] else scaled[on_device]
+        row_scaled = scaled if every_row else scaled[on_device]
+        row_full = full if full is None or every_row else full[on_device]
         stage = min(stage_width, vocab)
-        values, ids, num_kept, resolved = _kept_prefix(row_scaled, top_k[rows], top_p[rows], min_p[rows], stage)
+        values, ids, num_kept, resolved = _kept_prefix(
+            row_scaled, row_full, top_k[rows], top_p[rows], min_p[rows], stage
+        )
+        kept = torch.arange(stage, device=scaled.device).unsqueeze(0) < num_kept  # [r, stage]
+        if every_row and bool(resolved.all()):  # the common case: no row copies
+            probs.scatter_(-1, ids, torch.softmax(values.masked_fill(~kept, float("-inf")), dim=-1))
+            break
         done = resolved.nonzero().flatten()
         if done.numel():
             done_device = done.to(scaled.device)
-            kept = torch.arange(stage, device=scaled.device).unsqueeze(0) < num_kept[done_device]  # [d, stage]
-            prefix = torch.softmax(values[done_device].masked_fill(~kept, float("-inf")), dim=-1)  # [d, stage]
+            prefix = torch.softmax(values[done_device].masked_fill(~kept[done_device], float("-inf")), dim=-1)
             probs[rows[done].to(scaled.device)] = probs.new_zeros(done.numel(), vocab).scatter_(
                 -1, ids[done_device], prefix
             )
@@ -180,6 +189,7 @@ def truncated_probs(
 
 def _kept_prefix(
     scaled: torch.Tensor,  # [m, vocab]
+    full: torch.Tensor | None,  # [m, vocab] softmax(scaled); None when every row sets top-k
     top_k: torch.Tensor,  # [m] CPU
     top_p: torch.Tensor,
     min_p: torch.Tensor,
@@ -198,15 +208,18 @@ def _kept_prefix(
     # top-k keeps every token at least as large as the k-th largest (its ties included, as transformers does).
     kth = values.gather(-1, (k - 1).unsqueeze(-1))  # [m, 1]
     kth = torch.where(k_on.to(device).unsqueeze(-1), kth, torch.full_like(kth, float("-inf")))
-    top = values[:, :1]  # [m, 1]
-    unnormalised = torch.exp(values - top).masked_fill(values < kth, 0.0)  # [m, width]
     # The survivors of top-k are normalised by their sorted running sum (the same fp32 number whatever the
-    # window, as long as it holds them all); without top-k, by the whole row's sum, as softmax does.
-    norm = unnormalised.cumsum(dim=-1)[:, -1:]  # [m, 1]
-    if not bool(k_on.all()):
-        no_k = (~k_on).nonzero().flatten().to(device)
-        norm[no_k] = torch.exp(scaled[no_k] - top[no_k]).sum(dim=-1, keepdim=True)
-    probs = unnormalised / norm  # [m, width]
+    # window, as long as it holds them all); without top-k the masses are the whole row's softmax.
+    if bool(k_on.all()):
+        unnormalised = torch.exp(values - values[:, :1]).masked_fill(values < kth, 0.0)  # [m, width]
+        probs = unnormalised / unnormalised.cumsum(dim=-1)[:, -1:]
+    else:
+        assert full is not None
+        probs = full.gather(-1, ids)  # [m, width]
+        if bool(k_on.any()):
+            on = k_on.nonzero().flatten().to(device)
+            unnormalised = torch.exp(values[on] - values[on, :1]).masked_fill(values[on] < kth[on], 0.0)
+            probs[on] = unnormalised / unnormalised.cumsum(dim=-1)[:, -1:]
     remove = values < kth
     # top-p: a token goes when the mass of the tokens strictly above it already reaches top_p. cummax keeps the
     # fp32 running mass monotone; each tie group reads the mass before its first member.

@@ -24,12 +24,13 @@ def full_sort_reference(logits: torch.Tensor, params: SamplingParams) -> torch.T
     scaled = logits.float() / torch.tensor(params.temperature, dtype=torch.float32)
     if params.top_k == 0 and params.top_p == 1 and params.min_p == 0:
         return torch.softmax(scaled, dim=-1)
-    values = scaled.sort(descending=True).values  # [vocab]
+    values, order = scaled.sort(descending=True)  # [vocab]
     kth = values[min(params.top_k, vocab) - 1] if 0 < params.top_k < vocab else torch.tensor(float("-inf"))
-    unnormalised = torch.exp(values - values[0]).masked_fill(values < kth, 0.0)
-    # top-k survivors: normalised by their sorted running sum; no top-k: by the whole row, as softmax does.
-    norm = unnormalised.cumsum(0)[-1] if 0 < params.top_k < vocab else torch.exp(scaled - values[0]).sum()
-    probs = unnormalised / norm
+    if 0 < params.top_k < vocab:  # top-k survivors, normalised by their sorted running sum
+        unnormalised = torch.exp(values - values[0]).masked_fill(values < kth, 0.0)
+        probs = unnormalised / unnormalised.cumsum(0)[-1]
+    else:  # no top-k: the whole row's softmax
+        probs = torch.softmax(scaled, dim=-1)[order]
     running = (probs.cumsum(0) - probs).cummax(0).values  # mass strictly before each sorted slot
     cutoff = values[0]
     group_mass = running[0]
