@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.engine_bench
 	$(PY) -m specdec_bench.gateway_bench
 	$(PY) -m specdec_bench.secure_bench
+	$(PY) -m specdec_bench.hotpath_bench
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench
@@ -73,6 +74,12 @@ phoenix:
 .PHONY: bench-prefix
 bench-prefix: $(STAMP)
 	$(PY) -m specdec_bench.prefix_bench
+
+# Issue 16's section alone: verify time at top_p 1 / 0.9 / 0.95 + top_k 50 (batch 8, k 4) and a mixed
+# prefill + decode step, each beside main's code (--baseline-ref).
+.PHONY: bench-hotpath
+bench-hotpath: $(STAMP)
+	$(PY) -m specdec_bench.hotpath_bench
 
 # Train the EAGLE draft head for the default target into models/smollm2-135m-eagle (about 60 minutes on
 # 2 cores; resumable). TRAIN_ARGS passes more flags, e.g. TRAIN_ARGS="--quick --out /tmp/head".

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.model.dtype import DTYPE_CHOICES
 from shared.tls import TLSConfig
 
 KINDS = ("draft-model", "ngram", "eagle")
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,13 @@ class ProposerConfig(TLSConfig):
             "the usual choice for a small draft)"
         },
     )
-    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weights and KV cache dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
+            "bfloat16 or float16"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     grace_period_s: float = field(default=5.0, metadata={"help": "on SIGTERM, seconds to let open streams finish"})
@@ -90,7 +96,7 @@ class ProposerConfig(TLSConfig):
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.grace_period_s < 0:
             raise ValueError(f"--grace-period-s must be >= 0, got {self.grace_period_s}")

@@ -150,7 +150,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
 
     def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int], step: int):
         params = [req.params for req in reqs]
-        probs = logits_to_probs(logits, **params_to_tensors(params, logits.device))  # [rows, vocab]
+        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, vocab]
         for row_probs, req, row in zip(probs, reqs, rows, strict=True):
             p = req.params
             if p.is_greedy:

@@ -207,7 +207,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             for index in logits.argmax(dim=-1).tolist():
                 yield int(subset[index]), None
             return
-        probs = logits_to_probs(logits, **params_to_tensors(params, logits.device))  # [rows, draft_vocab]
+        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, draft_vocab]
         for row_probs, req, state in zip(probs, reqs, states, strict=True):
             p = req.params
             if p.is_greedy:

@@ -303,11 +303,10 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     if config.kind == "eagle":
         return build_eagle_drafter(config)
 
-    import torch
-
     from proposer_service.draft_model import DraftModelDrafter
     from shared.kv.block_manager import BlockManager
     from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
+    from shared.model.dtype import resolve_dtype
     from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_model
     from shared.model.runner import ModelRunner
@@ -316,7 +315,9 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 
     name = config.model or default_draft_model()
     started = time.monotonic()
-    dtype, device, tp_size = getattr(torch, config.dtype), resolve_device(config.device), config.tensor_parallel_size
+    device, tp_size = resolve_device(config.device), config.tensor_parallel_size
+    dtype = resolve_dtype(config.dtype, device, name)
+    log.info("draft dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
     if tp_size > 1:  # every rank loads its own shard: read only the config here
         arch = read_arch(name)
         check_tensor_parallel(arch, tp_size)

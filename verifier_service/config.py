@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared.model.dtype import DTYPE_CHOICES
 from shared.tls import TLSConfig
-
-DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,13 @@ class VerifierConfig(TLSConfig):
             "each hold 1/N of the attention heads and MLP; N must divide the model's attention heads"
         },
     )
-    dtype: str = field(default="float32", metadata={"help": "weights dtype: float32, bfloat16 or float16"})
+    dtype: str = field(
+        default="auto",
+        metadata={
+            "help": "weights and KV cache dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
+            "bfloat16 or float16"
+        },
+    )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
     grace_period_s: float = field(
@@ -117,7 +122,7 @@ class VerifierConfig(TLSConfig):
             host, sep, port = address.rpartition(":")
             if not sep or not host or not port.isdigit():
                 raise ValueError(f"--proposer address {address!r} is not host:port")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.grace_period_s < 0 or self.proposer_reconnect_max_s <= 0:
             raise ValueError("--grace-period-s must be >= 0 and --proposer-reconnect-max-s > 0")

@@ -20,11 +20,7 @@ from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams, logits_to_probs
-from verifier_service.rejection_sampler import (
-    one_hot_draft_probs,
-    rejection_sample,
-    sparse_to_dense_draft_probs,
-)
+from verifier_service.rejection_sampler import SparseDraftProbs, greedy_verify, rejection_sample
 from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from verifier_service.seeded_verify import seeded_verify
 from verifier_service.sequence import FinishReason, Sequence
@@ -327,46 +323,53 @@ class Engine:
         return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
 
     def _verify(self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]]) -> list[list[int] | str]:
-        """Per row: the emitted tokens, or why the row failed (its numbers went bad: that row alone ends)."""
+        """Per row: the emitted tokens, or why the row failed (its numbers went bad: that row alone ends).
+
+        Tensors stay on the model's device; the host reads the bad-row flags and the emitted ids. Greedy rows
+        are verified by comparing ids, sampled rows by rejection sampling over sparse or one-hot drafts (no
+        vocabulary-wide draft tensors), seeded rows by their seeded tokens."""
         if not rows:
             return []
-        vocab = self.runner.vocab_size
-        k_max = max(lg.shape[0] for _, _, lg in rows) - 1
-        target_logits = torch.zeros(len(rows), k_max + 1, vocab)  # [batch, k_max+1, vocab]
-        draft_probs = torch.zeros(len(rows), k_max, vocab)  # [batch, k_max, vocab]
-        draft_ids = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [batch, k_max]
-        num_drafts = torch.zeros(len(rows), dtype=torch.int64)
-        for i, (_, draft, lg) in enumerate(rows):
-            target_logits[i, : lg.shape[0]] = lg
-            k = lg.shape[0] - 1
-            num_drafts[i] = k
-            if k:
-                assert draft is not None
-                ids = torch.tensor(draft.token_ids, dtype=torch.int64)
-                draft_ids[i, :k] = ids
-                if not rows[i][0].seq.params.is_seeded:  # seeded verification reads no draft probabilities
-                    draft_probs[i, :k] = self._dense_draft_probs(draft, ids, vocab)
-        target_probs = self._target_probs(target_logits, [s.seq.params for s, _, _ in rows])
+        params = [s.seq.params for s, _, _ in rows]
+        num_drafts = torch.tensor([lg.shape[0] - 1 for _, _, lg in rows], dtype=torch.int64)  # [batch] CPU
+        k_max = int(num_drafts.max())
+        draft_ids = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [batch, k_max] CPU
+        for i, (_, draft, _) in enumerate(rows):
+            if draft is not None and num_drafts[i]:
+                draft_ids[i, : int(num_drafts[i])] = torch.tensor(draft.token_ids, dtype=torch.int64)
+        flat_logits = torch.cat([lg for _, _, lg in rows])  # [sum(k_i + 1), vocab]: no padding rows scored
+        flat_probs = self._target_probs(flat_logits, params, num_drafts + 1)
+        target_logits = _pad_rows(flat_logits, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
+        target_probs = _pad_rows(flat_probs, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
         failures = _bad_rows(target_logits, target_probs, num_drafts)
         emitted: list[list[int] | str] = [failures.get(i, "") for i in range(len(rows))]
-        # Seeded rows: the token at each output position is fixed by (seed, position, target_probs); the
-        # others (unseeded, greedy) go through rejection sampling.
-        seeded = [i for i in range(len(rows)) if i not in failures and rows[i][0].seq.params.is_seeded]
-        rejection_rows = [i for i in range(len(rows)) if i not in failures and i not in seeded]
+        live = [i for i in range(len(rows)) if i not in failures]
+        greedy = [i for i in live if params[i].is_greedy]
+        seeded = [i for i in live if params[i].is_seeded]
+        sampled = [i for i in live if not params[i].is_greedy and not params[i].is_seeded]
+        # Seeded rows: the token at each output position is fixed by (seed, position, target_probs).
         for i in seeded:
             seq, k = rows[i][0].seq, int(num_drafts[i])
             seed = seq.params.seed
             assert seed is not None
             emitted[i] = seeded_verify(target_probs[i, : k + 1], draft_ids[i, :k].tolist(), seed, seq.output_position)
-        if rejection_rows:
-            index = torch.tensor(rejection_rows)
+        results = []
+        if greedy:
+            index = torch.tensor(greedy)
+            argmax = target_logits[index.to(target_logits.device)].argmax(dim=-1)  # [g, k_max + 1]
+            results.append((greedy, greedy_verify(argmax, draft_ids[index], num_drafts[index])))
+        if sampled:
+            index = torch.tensor(sampled)
             result = rejection_sample(
-                target_probs[index], draft_ids[index], draft_probs[index], num_drafts[index],
-                [rows[i][0].seq.generator for i in rejection_rows],
+                target_probs[index.to(target_probs.device)], draft_ids[index],
+                _sparse_draft_probs([rows[i][1] for i in sampled], draft_ids[index], self.runner.vocab_size),
+                num_drafts[index], [rows[i][0].seq.generator for i in sampled], check_mass=False,
             )  # fmt: skip
-            for j, i in enumerate(rejection_rows):
-                n = int(result.num_accepted[j])
-                emitted[i] = result.output_token_ids[j, : n + 1].tolist()
+            results.append((sampled, result))
+        if results:  # one read of every emitted id
+            tokens = torch.cat([r.output_token_ids for _, r in results]).tolist()
+            for i, row_tokens in zip([i for group, _ in results for i in group], tokens, strict=True):
+                emitted[i] = row_tokens[: row_tokens.index(-1)] if -1 in row_tokens else row_tokens
         return emitted
 
     def _fail(self, seq: Sequence, why: str) -> RequestOutput:
@@ -377,27 +380,20 @@ class Engine:
         return out
 
     @staticmethod
-    def _dense_draft_probs(draft: Draft, ids: torch.Tensor, vocab: int) -> torch.Tensor:  # [k, vocab]
-        if draft.probs is None:
-            return one_hot_draft_probs(ids.unsqueeze(0), vocab)[0]
-        return sparse_to_dense_draft_probs(draft.probs.token_ids.unsqueeze(0), draft.probs.probs.unsqueeze(0), vocab)[0]
-
-    @staticmethod
-    def _target_probs(target_logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-        """The plain decoder's distribution at every scored position: [batch, k_max+1, vocab]."""
-        batch, positions, vocab = target_logits.shape
-
-        def per_position(values: list, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).repeat_interleave(positions)
-
-        probs = logits_to_probs(
-            target_logits.view(-1, vocab),
-            temperature=per_position([p.temperature for p in params], torch.float32),
-            top_k=per_position([p.top_k for p in params], torch.int64),
-            top_p=per_position([p.top_p for p in params], torch.float32),
-            min_p=per_position([p.min_p for p in params], torch.float32),
-        )
-        return probs.view(batch, positions, vocab)
+    def _target_probs(
+        flat_logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor
+    ) -> torch.Tensor:  # [sum(counts), vocab]
+        """The plain decoder's distribution at every scored position; `counts`: scored positions per row."""
+        per_position = {
+            name: torch.tensor([getattr(p, name) for p in params], dtype=dtype).repeat_interleave(counts)
+            for name, dtype in (
+                ("temperature", torch.float32),
+                ("top_k", torch.int64),
+                ("top_p", torch.float32),
+                ("min_p", torch.float32),
+            )
+        }
+        return logits_to_probs(flat_logits, **per_position)
 
     def _commit(
         self, s: ScheduledSeq, draft: Draft | None, tokens: list[int], logprobs: list[TokenLogprob] | None = None
@@ -479,6 +475,39 @@ def _bad_rows(
                 "position(s); the request was ended, other requests are unaffected"
             )
     return failures
+
+
+def _pad_rows(flat: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
+    """[sum(counts), vocab] -> [len(counts), width, vocab], each row's positions first, zeros after."""
+    if bool((counts == width).all()):
+        return flat.view(len(counts), width, flat.shape[-1])
+    padded = flat.new_zeros(len(counts) * width, flat.shape[-1])
+    index = torch.cat([torch.arange(n) + i * width for i, n in enumerate(counts.tolist())])
+    padded[index.to(flat.device)] = flat
+    return padded.view(len(counts), width, flat.shape[-1])
+
+
+def _sparse_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab: int) -> SparseDraftProbs | None:
+    """The rows' draft distributions as one padded sparse batch [batch, k_max, n] (CPU, checked), or None when
+    every row's drafts are one-hot. A one-hot row is its drafted id with probability 1."""
+    supports = [d.probs for d in drafts if d is not None and d.probs is not None]
+    if not supports:
+        return None
+    batch, k_max = draft_ids.shape
+    n = max(p.token_ids.shape[-1] for p in supports)
+    ids = torch.zeros(batch, k_max, n, dtype=torch.int64)
+    probs = torch.zeros(batch, k_max, n, dtype=torch.float32)
+    ids[:, :, 0] = draft_ids
+    probs[:, :, 0] = 1.0
+    for i, draft in enumerate(drafts):
+        if draft is not None and draft.probs is not None:
+            k, width = draft.probs.token_ids.shape
+            ids[i, :k, :width] = draft.probs.token_ids
+            probs[i, :k, :width] = draft.probs.probs
+            probs[i, :k, width:] = 0.0
+    sparse = SparseDraftProbs(ids, probs)
+    sparse.check(vocab)
+    return sparse
 
 
 def _trim(draft: Draft, k: int) -> Draft:

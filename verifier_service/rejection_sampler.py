@@ -24,6 +24,15 @@ state: it is the same alone or inside any batch, and a seeded request is reprodu
 for acceptance tests beyond the first rejection are drawn but unused, so that the number of draws
 never depends on the outcome (the generator state after a step depends on `k_i` only).
 
+Draft forms
+-----------
+`draft_probs` comes in three forms, with the same result: dense `[batch, k_max, vocab]`; `SparseDraftProbs`
+(the ids and probabilities a truncating proposer sent, `[batch, k_max, n]`); or None, one-hot drafts from a
+deterministic proposer (greedy, n-gram). The sparse and one-hot forms never build a vocabulary-wide draft
+tensor: the acceptance test reads target and draft probabilities at the drafted ids (a gather), and the
+residual is built for the one position per row where the row stopped. Greedy targets need none of this:
+`greedy_verify` compares ids.
+
 Choices for inputs the theory leaves open
 -----------------------------------------
 - A draft token with `draft_probs[j, d_j] == 0` could not have been sampled by the proposer: that is
@@ -55,6 +64,27 @@ class RejectionResult:
     # [batch, k_max + 1] int64, padded with -1; row i holds num_accepted[i] + 1 tokens
     output_token_ids: Tensor
     num_accepted: Tensor  # [batch] int64
+
+
+@dataclass(frozen=True)
+class SparseDraftProbs:
+    """The draft distributions as their supports. Duplicate ids add up; entries with probability 0 are padding
+    and may carry any id."""
+
+    token_ids: Tensor  # [batch, k_max, n] int64
+    probs: Tensor  # [batch, k_max, n] fp32
+
+    def check(self, vocab_size: int) -> None:
+        """ValueError for an out-of-vocabulary id with positive probability (dropping its mass would make the
+        verification inexact). Call it on the CPU tensors a proposer sent: on a device it would synchronise."""
+        if self.token_ids.shape != self.probs.shape:
+            raise ValueError(f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} differ")
+        in_vocab = (self.token_ids >= 0) & (self.token_ids < vocab_size)
+        if bool(((~in_vocab) & (self.probs != 0)).any()):
+            raise ValueError(f"sparse draft ids outside [0, {vocab_size}) carry nonzero probability")
+
+    def to(self, device: torch.device | str) -> SparseDraftProbs:
+        return SparseDraftProbs(self.token_ids.to(device), self.probs.to(device, torch.float32))
 
 
 def one_hot_draft_probs(draft_token_ids: Tensor, vocab_size: int) -> Tensor:
@@ -93,27 +123,59 @@ def sparse_to_dense_draft_probs(token_ids: Tensor, probs: Tensor, vocab_size: in
 def rejection_sample(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]; rows beyond k_i + 1 are padding
     draft_token_ids: Tensor,  # [batch, k_max] int64; entries beyond k_i are padding
-    draft_probs: Tensor,  # [batch, k_max, vocab] dense; rows beyond k_i are padding
+    draft_probs: Tensor | SparseDraftProbs | None,  # dense [batch, k_max, vocab], sparse, or None: one-hot
     num_draft_tokens: Tensor,  # [batch] int64, k_i in [0, k_max]
     generators: list[torch.Generator],  # one CPU generator per row
+    check_mass: bool = True,
 ) -> RejectionResult:
-    """Verify each row's drafts and emit accepted drafts plus one recovered or bonus token."""
+    """Verify each row's drafts and emit accepted drafts plus one recovered or bonus token.
+
+    `draft_token_ids` and `num_draft_tokens` are checked where they are (keep them on the CPU: on a device the
+    checks would synchronise). `check_mass=False` skips the check that the rows read have mass, for a caller
+    that has already removed bad rows: the only host synchronisation left is the caller's read of the result."""
     _check_inputs(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators)
     # Upcast so the acceptance ratio and the residual never run in half precision.
     target_probs = target_probs.float()
-    draft_probs = draft_probs.float()
     device = target_probs.device
+    if isinstance(draft_probs, Tensor):
+        draft_probs = draft_probs.to(device, torch.float32)
+    elif isinstance(draft_probs, SparseDraftProbs):
+        draft_probs = draft_probs.to(device)
     k_max = draft_token_ids.shape[1]
+    draft_token_ids = draft_token_ids.to(device)
     k = num_draft_tokens.to(device=device, dtype=torch.int64)  # [batch]
 
     accept_uniforms, sample_uniforms = _draw_uniforms(num_draft_tokens, generators, k_max, device)
     num_accepted = _count_accepted(target_probs, draft_token_ids, draft_probs, k, accept_uniforms)
-    stop_probs = _stop_distribution(target_probs, draft_probs, num_accepted, k)  # [batch, vocab]
+    stop_probs = _stop_distribution(target_probs, draft_token_ids, draft_probs, num_accepted, k)  # [batch, vocab]
+    if check_mass:
+        _check_mass(stop_probs)
     final_token = _inverse_cdf_sample(stop_probs, sample_uniforms)  # [batch]
+    return _result(draft_token_ids, num_accepted, final_token)
 
-    positions = torch.arange(k_max + 1, device=device).unsqueeze(0)  # [1, k_max + 1]
+
+def greedy_verify(
+    target_token_ids: Tensor,  # [batch, k_max + 1] int64: the target's argmax at each scored position
+    draft_token_ids: Tensor,  # [batch, k_max] int64; entries beyond k_i are padding
+    num_draft_tokens: Tensor,  # [batch] int64
+) -> RejectionResult:
+    """Greedy targets (one-hot target_probs): accept while the draft equals the target's argmax, then emit the
+    argmax. The same result rejection_sample gives for one-hot targets, by comparing ids; no randomness used."""
+    device = target_token_ids.device
+    k_max = draft_token_ids.shape[1]
+    draft_token_ids = draft_token_ids.to(device)
+    is_draft = torch.arange(k_max, device=device).unsqueeze(0) < num_draft_tokens.to(device).unsqueeze(1)
+    matches = (draft_token_ids == target_token_ids[:, :k_max]) & is_draft  # [batch, k_max]
+    num_accepted = matches.long().cumprod(dim=1).sum(dim=1)  # [batch]
+    final_token = target_token_ids.gather(1, num_accepted.unsqueeze(1)).squeeze(1)  # [batch]
+    return _result(draft_token_ids, num_accepted, final_token)
+
+
+def _result(draft_token_ids: Tensor, num_accepted: Tensor, final_token: Tensor) -> RejectionResult:
+    k_max = draft_token_ids.shape[1]
+    positions = torch.arange(k_max + 1, device=draft_token_ids.device).unsqueeze(0)  # [1, k_max + 1]
     # [batch, k_max + 1]: drafts followed by the final token, so one mask picks a row's prefix.
-    padded_drafts = torch.cat([draft_token_ids.to(device), final_token.unsqueeze(1)], dim=1)
+    padded_drafts = torch.cat([draft_token_ids, final_token.unsqueeze(1)], dim=1)
     output_token_ids = torch.where(
         positions < num_accepted.unsqueeze(1), padded_drafts, torch.full_like(padded_drafts, -1)
     )
@@ -124,18 +186,20 @@ def rejection_sample(
 def _check_inputs(
     target_probs: Tensor,
     draft_token_ids: Tensor,
-    draft_probs: Tensor,
+    draft_probs: Tensor | SparseDraftProbs | None,
     num_draft_tokens: Tensor,
     generators: list[torch.Generator],
 ) -> None:
-    if target_probs.dim() != 3 or draft_token_ids.dim() != 2 or draft_probs.dim() != 3:
-        raise ValueError("expected target_probs [b, k+1, v], draft_token_ids [b, k], draft_probs [b, k, v]")
+    if target_probs.dim() != 3 or draft_token_ids.dim() != 2:
+        raise ValueError("expected target_probs [b, k+1, v] and draft_token_ids [b, k]")
     batch, k_max = draft_token_ids.shape
     vocab = target_probs.shape[-1]
     if target_probs.shape != (batch, k_max + 1, vocab):
         raise ValueError(f"target_probs {tuple(target_probs.shape)} should be {(batch, k_max + 1, vocab)}")
-    if draft_probs.shape != (batch, k_max, vocab):
+    if isinstance(draft_probs, Tensor) and draft_probs.shape != (batch, k_max, vocab):
         raise ValueError(f"draft_probs {tuple(draft_probs.shape)} should be {(batch, k_max, vocab)}")
+    if isinstance(draft_probs, SparseDraftProbs) and draft_probs.token_ids.shape[:2] != (batch, k_max):
+        raise ValueError(f"sparse draft_probs {tuple(draft_probs.token_ids.shape)} should be {(batch, k_max, 'n')}")
     if num_draft_tokens.shape != (batch,):
         raise ValueError(f"num_draft_tokens {tuple(num_draft_tokens.shape)} should be {(batch,)}")
     if len(generators) != batch:
@@ -169,16 +233,16 @@ def _draw_uniforms(
 def _count_accepted(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]
     draft_token_ids: Tensor,  # [batch, k_max]
-    draft_probs: Tensor,  # [batch, k_max, vocab]
+    draft_probs: Tensor | SparseDraftProbs | None,
     k: Tensor,  # [batch]
     accept_uniforms: Tensor,  # [batch, k_max] float64
 ) -> Tensor:  # [batch] int64
     k_max = draft_token_ids.shape[1]
     is_draft = torch.arange(k_max, device=k.device).unsqueeze(0) < k.unsqueeze(1)  # [batch, k_max]
     # Padding ids may be anything (-1, out of vocab): point them at token 0 so gather is safe.
-    safe_ids = torch.where(is_draft, draft_token_ids.to(k.device), torch.zeros_like(k).unsqueeze(1))
+    safe_ids = torch.where(is_draft, draft_token_ids, torch.zeros_like(draft_token_ids))
     target_at_draft = target_probs[:, :k_max].gather(-1, safe_ids.unsqueeze(-1)).squeeze(-1)  # [batch, k_max]
-    draft_at_draft = draft_probs.gather(-1, safe_ids.unsqueeze(-1)).squeeze(-1)  # [batch, k_max]
+    draft_at_draft = _draft_at_draft(draft_probs, safe_ids)  # [batch, k_max]
     # u * q < p in float64 is "u < p / q" without the division, so q == 0 cannot produce inf/NaN;
     # q == 0 is rejected outright (module docstring).
     accepted = (accept_uniforms * draft_at_draft.double() < target_at_draft.double()) & (draft_at_draft > 0)
@@ -187,33 +251,59 @@ def _count_accepted(
     return accepted.long().cumprod(dim=1).sum(dim=1)
 
 
+def _draft_at_draft(draft_probs: Tensor | SparseDraftProbs | None, ids: Tensor) -> Tensor:  # [batch, k_max]
+    """The draft's probability of each drafted id."""
+    if draft_probs is None:
+        return torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+    if isinstance(draft_probs, SparseDraftProbs):
+        # [batch, k_max, n] -> [batch, k_max]: duplicate ids add up, as in the dense form.
+        matches = draft_probs.token_ids == ids.unsqueeze(-1)
+        return torch.where(matches, draft_probs.probs, torch.zeros_like(draft_probs.probs)).sum(dim=-1)
+    return draft_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def _stop_distribution(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]
-    draft_probs: Tensor,  # [batch, k_max, vocab]
+    draft_token_ids: Tensor,  # [batch, k_max]
+    draft_probs: Tensor | SparseDraftProbs | None,
     num_accepted: Tensor,  # [batch]
     k: Tensor,  # [batch]
 ) -> Tensor:  # [batch, vocab], unnormalised
-    """Distribution of the row's last token: the residual at a rejection, the target for the bonus."""
+    """Distribution of the row's last token: the residual at a rejection, the target for the bonus. Only the
+    stop position's draft distribution is ever made vocabulary-wide, and only as `target - draft` there."""
     rows = torch.arange(target_probs.shape[0], device=target_probs.device)
     stop_target = target_probs[rows, num_accepted]  # [batch, vocab]
-    k_max = draft_probs.shape[1]
+    k_max = draft_token_ids.shape[1]
     if k_max == 0:
-        return _checked_mass(stop_target)
-    # [batch, vocab]; meaningless for bonus rows, which the where() below sends to the target.
-    stop_draft = draft_probs[rows, num_accepted.clamp(max=k_max - 1)]
-    residual = (stop_target - stop_draft).clamp(min=0)  # [batch, vocab]
+        return stop_target
+    # Meaningless for bonus rows, which the where() below sends to the target.
+    stop = num_accepted.clamp(max=k_max - 1)  # [batch]
+    if isinstance(draft_probs, Tensor):
+        residual = stop_target - draft_probs[rows, stop]  # [batch, vocab]
+    else:
+        if draft_probs is None:  # one-hot: the drafted id loses all its mass
+            ids = draft_token_ids[rows, stop].unsqueeze(1)  # [batch, 1]
+            probs = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
+        else:
+            ids, probs = draft_probs.token_ids[rows, stop], draft_probs.probs[rows, stop]  # [batch, n]
+        # Padding entries (probability 0) may carry any id: point them at token 0, where they subtract nothing.
+        vocab = target_probs.shape[-1]
+        real = (ids >= 0) & (ids < vocab) & (probs != 0)
+        ids = torch.where(real, ids, torch.zeros_like(ids))
+        probs = torch.where(real, probs, torch.zeros_like(probs))
+        residual = stop_target.scatter_add(-1, ids, -probs)
+    residual = residual.clamp(min=0)
     residual_mass = residual.sum(dim=-1, dtype=torch.float64)  # [batch]
     # An empty residual means rejection had probability ~0 (see MIN_RESIDUAL_MASS); sampling the
     # target then stays inside its support and avoids normalising a zero vector.
     use_target = (num_accepted == k) | ~(residual_mass > MIN_RESIDUAL_MASS)
-    return _checked_mass(torch.where(use_target.unsqueeze(1), stop_target, residual))
+    return torch.where(use_target.unsqueeze(1), stop_target, residual)
 
 
-def _checked_mass(probs: Tensor) -> Tensor:  # [batch, vocab]
+def _check_mass(probs: Tensor) -> None:  # [batch, vocab]
     total = probs.sum(dim=-1, dtype=torch.float64)
     if not bool(torch.isfinite(total).all() & (total > 0).all()):
         raise ValueError("a target_probs row the sampler reads has no finite positive mass")
-    return probs
 
 
 def _inverse_cdf_sample(

@@ -276,9 +276,9 @@ class VerifierServer(ServiceRuntime):
         At --tensor-parallel-size N > 1 the target is loaded from `config.model` by N ranks (this process
         is rank 0; see shared/model/tp_group.py), so `target` must not be given. `telemetry`: default from
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
-        import torch
 
         from shared.model.build import CacheConfig, read_arch
+        from shared.model.dtype import resolve_dtype
         from shared.model.info import resolve_device
         from shared.model.info import tokenizer_fingerprint as fingerprint_of
         from shared.model.loader import load_model
@@ -289,7 +289,9 @@ class VerifierServer(ServiceRuntime):
 
         name = model_name or config.model or default_target_model()
         tp_size = config.tensor_parallel_size
-        dtype, device = getattr(torch, config.dtype), resolve_device(config.device)
+        device = resolve_device(config.device)
+        dtype = resolve_dtype(config.dtype, device, name)
+        log.info("target dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
         started = time.monotonic()
         if tp_size > 1:
             if target is not None:

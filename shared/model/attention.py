@@ -4,10 +4,17 @@ Layout: the step's new tokens of all sequences are flattened into T rows. For at
 sequence's queries are left-padded to `max_query_len`, so query slot j of sequence b sits at position
 `context_len[b] - max_query_len + j`. That single convention serves prefill chunks, `k + 1` scoring
 queries and plain decode in one call, and matches flash-attn's bottom-right causal alignment.
+
+Padding every query to the longest one would make decode rows pay for a prefill chunk in the same step (one
+2,000-token chunk with 7 decodes: 16,000 query rows instead of 2,007). So a step whose queries differ in
+shape is split into groups, each its own attention call within the one forward: every query longer than
+SHORT_QUERY (a prefill chunk) alone, unpadded, and all the short ones (decode, k + 1 verify rows) together,
+padded to their own longest. K/V writes, RoPE and every other layer still run once over all T rows.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 
@@ -18,6 +25,12 @@ try:  # flash-attn is GPU-only and optional; the torch backend is the reference 
     from flash_attn import flash_attn_with_kvcache  # type: ignore[import-not-found]
 except ImportError:  # pragma: no cover - depends on the machine
     flash_attn_with_kvcache = None
+
+log = logging.getLogger("specdec.attention")
+
+# Queries up to this many rows (decode, k + 1 verify rows) share one padded attention call; longer ones
+# (prefill chunks) get a call each, so no row is padded to a prefill chunk's length.
+SHORT_QUERY = 32
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,9 @@ class AttentionMetadata:
     max_query_len: int
     query_pad_index: torch.Tensor | None  # [T] int64: row of each token in the padded [B * max_query_len]
     attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] bool, True = attend
+    # Set when the step is split into attention calls: (rows of T in the group [t] int64, the group's metadata).
+    # The fields above that only attention reads are then empty: the groups carry their own.
+    groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -57,12 +73,55 @@ class AttentionMetadata:
 
 
 def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+    query_lens = [s.num_new for s in spans]
+    long_queries = [b for b, n in enumerate(query_lens) if n > SHORT_QUERY]
+    if len(spans) == 1 or not long_queries or (len(long_queries) == len(spans) and len(set(query_lens)) == 1):
+        return _build_one(spans, block_size, device)
+    short = [b for b, n in enumerate(query_lens) if n <= SHORT_QUERY]
+    starts = [0]
+    for n in query_lens:
+        starts.append(starts[-1] + n)
+    groups = []
+    for members in [[b] for b in long_queries] + ([short] if short else []):
+        rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members]).to(device)
+        groups.append((rows, _build_one([spans[b] for b in members], block_size, device)))
+    slots, positions = _slots_and_positions(spans, block_size)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
+        block_tables=empty,
+        context_lens=empty,
+        query_lens=query_lens,
+        max_query_len=max(query_lens),
+        query_pad_index=None,
+        attn_mask=torch.empty(0, dtype=torch.bool, device=device),
+        groups=groups,
+    )
+
+
+def _slots_and_positions(spans: list[SeqSpan], block_size: int) -> tuple[list[int], list[int]]:
     slots: list[int] = []
     positions: list[int] = []
     for span in spans:
         for pos in range(span.num_cached, span.num_cached + span.num_new):
             slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
             positions.append(pos)
+    return slots, positions
+
+
+def paged_attention(backend, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q [T, H, D] -> [T, H, D]: one backend call, or one per group of a split step."""
+    if meta.groups is None:
+        return backend(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    for rows, group in meta.groups:
+        out.index_copy_(0, rows, backend(q.index_select(0, rows), k_cache, v_cache, group, scale))
+    return out
+
+
+def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str) -> AttentionMetadata:
+    slots, positions = _slots_and_positions(spans, block_size)
     query_lens = [s.num_new for s in spans]
     max_query_len = max(query_lens)
     max_blocks = max(len(s.block_table) for s in spans)
@@ -175,12 +234,18 @@ def select_backend(name: str, device: torch.device | str, block_size: int):
     on_cuda = torch.device(device).type == "cuda"
     flash_ok = flash_attn_with_kvcache is not None and on_cuda and block_size % 256 == 0
     if name == "torch" or (name == "auto" and not flash_ok):
+        if name == "auto" and on_cuda:  # never silently: say why the GPU runs the gather + SDPA path
+            why = "flash-attn is not installed" if flash_attn_with_kvcache is None else f"block_size {block_size}"
+            log.warning("attention backend torch on %s (flash needs block_size %% 256 == 0; %s)", device, why)
+        else:
+            log.info("attention backend torch on %s", device)
         return TorchPagedAttention()
     if name in ("flash", "auto"):
         if not flash_ok:
             raise ValueError(
                 "attention backend 'flash' needs flash-attn installed, a CUDA device and block_size divisible by 256"
             )
+        log.info("attention backend flash on %s (block_size %d)", device, block_size)
         return FlashPagedAttention()
     raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or flash)")
 

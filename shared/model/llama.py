@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale, write_kv
+from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale, paged_attention, write_kv
 from shared.model.config import ModelArch
 from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, linear
 from shared.model.rope import RotaryEmbedding, apply_rotary
@@ -66,7 +66,7 @@ class Attention(torch.nn.Module):
         q = apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)  # [T, H, D]
         k = apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)  # [T, kv_heads, D]
         write_kv(k_cache, v_cache, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
-        out = backend(q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
+        out = paged_attention(backend, q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
         return self.o_proj(out.reshape(out.shape[0], -1))
 
 

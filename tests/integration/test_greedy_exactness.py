@@ -50,9 +50,11 @@ def make_engine(
     return build_engine(target, drafter, config, cache)
 
 
-def run_all(engine: Engine, prompts: dict[int, list[int]], max_tokens: int = MAX_NEW_TOKENS) -> dict[int, list[int]]:
+def run_all(
+    engine: Engine, prompts: dict[int, list[int]], max_tokens: int = MAX_NEW_TOKENS, **params
+) -> dict[int, list[int]]:
     for i, ids in prompts.items():
-        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens))
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, **params))
     outputs: dict[int, list[int]] = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -81,6 +83,13 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
     assert engine.stats.drafted_tokens > 0
     if kind in ("draft", "eagle"):
         assert engine.stats.accepted_tokens > 0
+
+
+def test_greedy_ignores_top_p_and_top_k(target, draft, prompts, greedy_references):
+    """Production settings on a greedy request: top_p / top_k are set but temperature 0 must ignore them."""
+    engine = make_engine(target, draft, "draft", 3, max_num_seqs=8)
+    outputs = run_all(engine, {i: prompts[i] for i in range(0, 20, 5)}, max_tokens=64, top_p=0.9, top_k=40)
+    assert_same(outputs, greedy_references, "draft k=3 batch 8 top_p=0.9 top_k=40", max_tokens=64)
 
 
 def test_adaptive_draft_length(target, draft, prompts, greedy_references):
