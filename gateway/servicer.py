@@ -91,12 +91,17 @@ class _Accounting:
     steps: int = 0
     cached_prompt: int | None = None
 
-    def add_segment(self, usage: common_pb2.Usage | None, steps_seen: int) -> None:
+    def add_segment(self, segment: _Segment) -> None:
         # A segment that ended without its final message (cancelled after a stop string, or its verifier
-        # died) has no usage: its steps are counted from the messages, its drafts are unknown.
+        # died) has no usage: its steps are counted from the messages, its drafts from the running counts
+        # every message carries.
+        usage = segment.usage
         if usage is None:
-            self.steps += steps_seen
+            self.steps += segment.steps
+            self.drafted += segment.drafted
+            self.accepted += segment.accepted
             return
+        steps_seen = segment.steps
         self.drafted += usage.drafted_tokens
         self.accepted += usage.accepted_tokens
         self.steps += usage.num_steps or steps_seen
@@ -132,6 +137,8 @@ class GatewayCounters:
 class _Segment:
     usage: common_pb2.Usage | None = None
     steps: int = 0
+    drafted: int = 0  # the verifier's running counts for this segment, from its latest message
+    accepted: int = 0
     calls: list[Any] = field(default_factory=list)
 
 
@@ -317,14 +324,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                         self.telemetry.chunk(run.traced, len(chunk.token_ids))
                         run.grant.charge(len(chunk.token_ids))
                         if final is not None:
-                            run.acct.add_segment(segment.usage, segment.steps)
+                            run.acct.add_segment(segment)
                             self._finish(run, prepared, out.token_ids, final)
                         yield chunk, final
             except _VerifierFull as err:
                 run.full_backends.add(backend.address)  # not a failure: the next pick skips it
                 run.full_reason = str(err)
             except _VerifierFailed as err:
-                run.acct.add_segment(segment.usage, segment.steps)
+                run.acct.add_segment(segment)
                 self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
 
     async def _pick_backend(self, session_id: str, exclude: set[str], run: _RequestRun) -> Any:
@@ -436,6 +443,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
                     continue  # nothing follows the final message; reading on to the end completes the call
                 if msg.token_ids:
                     segment.steps += 1
+                segment.drafted = max(segment.drafted, msg.drafted_tokens)
+                segment.accepted = max(segment.accepted, msg.accepted_tokens)
                 if msg.HasField("usage"):
                     segment.usage = msg.usage  # the last message's; a verifier may also send it earlier
                 chunk = out.add(msg.token_ids)

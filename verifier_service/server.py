@@ -77,7 +77,10 @@ def request_to_domain(
 
 def update_to_proto(update: Update) -> verifier_pb2.VerifierGenerateResponse:
     msg = verifier_pb2.VerifierGenerateResponse(
-        token_ids=update.token_ids, finish_reason=FINISH_TO_PROTO[update.finish_reason]
+        token_ids=update.token_ids,
+        finish_reason=FINISH_TO_PROTO[update.finish_reason],
+        drafted_tokens=update.usage.drafted_tokens,  # running counts: they outlive this verifier's death
+        accepted_tokens=update.usage.accepted_tokens,
     )
     if update.finished:
         u = update.usage

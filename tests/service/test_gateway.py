@@ -95,9 +95,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 if self.stall_after is not None and sent >= self.stall_after and self.failures_left["n"] > 0:
                     self.failures_left["n"] -= 1
                     await asyncio.Event().wait()  # until the gateway gives up and cancels the call
-                msg = verifier_pb2.VerifierGenerateResponse(token_ids=chunk)
                 sent += len(chunk)
                 steps = i + 1
+                # Running counts in every message, as the verifier sends them (3 drafts per step, see below).
+                msg = verifier_pb2.VerifierGenerateResponse(
+                    token_ids=chunk, drafted_tokens=3 * steps, accepted_tokens=sent - steps
+                )
                 if i == len(chunks) - 1 and not (self.hang or self.abort_at_end):
                     msg.finish_reason = self.finish_reason
                     if self.stop_token_id is not None:
@@ -568,6 +571,10 @@ def test_request_resumes_on_another_verifier_when_its_verifier_dies(tokenizer):
             # Seeded sampling goes on from output position 6 on the new verifier.
             assert first_try.output_offset == 0 and resumed.output_offset == 6
             assert resumed.request_id == first_try.request_id
+            # Usage covers both segments: the dead one's drafts come from its running counts (3 steps: 9
+            # drafted, 3 accepted), the resumed one's from its final usage (7 steps: 21 drafted, 7 accepted).
+            assert last.usage.num_steps == 10
+            assert (last.usage.drafted_tokens, last.usage.accepted_tokens) == (30, 10)
             stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
             assert stats.resumed_requests == 1
 

@@ -144,6 +144,10 @@ def test_greedy_over_grpc_with_the_target_as_draft_matches_plain_greedy():
                     assert u.num_steps == len([m for m in messages if m.token_ids]) < 24  # several tokens a step
                     assert u.accepted_tokens >= 0.9 * u.drafted_tokens > 0  # draft == target: (nearly) all accepted
                     assert math.isclose(u.mean_accepted_length, 24 / u.num_steps)
+                    # Every message carries the running counts (the gateway's share of a segment cut by a crash).
+                    drafted = [m.drafted_tokens for m in messages]
+                    assert drafted == sorted(drafted) and drafted[0] < drafted[-1] == u.drafted_tokens
+                    assert messages[-1].accepted_tokens == u.accepted_tokens
                 s = await stats(stub)
                 assert s.proposer_connected and s.acceptance_rate >= 0.9 and s.drafted_tokens > 0
                 assert s.emitted_tokens == 72 and s.finished_requests == 3 and s.aborted_requests == 0
