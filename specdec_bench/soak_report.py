@@ -99,6 +99,13 @@ class SoakReport:
             lines += ["", "Failed or mismatched requests (first few):", *(f"- {b}" for b in bad)]
         return "\n".join(lines)
 
+    @classmethod
+    def from_json(cls, path: Path) -> SoakReport:
+        """A report written by write(), e.g. to draw its plot again."""
+        data = json.loads(path.read_text())
+        data["checks"] = [Check(**c) for c in data["checks"]]
+        return cls(**data)
+
     def write(self, out: Path) -> None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "soak.md").write_text(self.markdown() + "\n")
@@ -327,6 +334,7 @@ def plot(report: SoakReport, path: Path) -> None:
                 ax.axvline(e["at_s"], color="red", lw=1.2)
             elif e["what"] == "ready":
                 ax.axvline(e["at_s"], color="grey", lw=1, ls="--")
+        ax.axvline(report.config["duration_s"], color="black", lw=1, ls=":")
         ax.grid(alpha=0.3)
     ymax = top.get_ylim()[1]
     for e in report.events:
@@ -336,6 +344,7 @@ def plot(report: SoakReport, path: Path) -> None:
             )
     bottom.plot([], [], color="red", label="SIGKILL")
     bottom.plot([], [], color="grey", ls="--", label="restarted service serving again")
+    bottom.plot([], [], color="black", ls=":", label="clients stop sending (then running requests finish)")
     bottom.legend(loc="upper left", fontsize=8)
     cfg = report.config
     top.set_title(f"soak: {cfg['clients']} clients, {cfg['duration_s']:.0f} s, gateway + 2 verifiers + proposer")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from specdec_bench.soak import Spec, _check_output
-from specdec_bench.soak_report import Record, build_report
+from specdec_bench.soak_report import Record, SoakReport, build_report
 
 KINDS = ("greedy", "seeded", "stop", "cancel", "deadline", "invalid")
 
@@ -50,6 +50,7 @@ def test_a_clean_run_passes_and_renders(tmp_path):
     assert "| time to first token (ms) | 200 |" in report.markdown()
     report.write(tmp_path)
     assert (tmp_path / "soak.png").read_bytes()[:4] == b"\x89PNG" and (tmp_path / "soak.md").read_text()
+    assert SoakReport.from_json(tmp_path / "soak.json").markdown() == report.markdown()
 
 
 def test_each_check_can_fail():
