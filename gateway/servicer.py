@@ -441,6 +441,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
             while (msg := await self._next_message(call, address)) is not grpc.aio.EOF:
                 if last is not None:
                     continue  # nothing follows the final message; reading on to the end completes the call
+                if not msg.token_ids and msg.finish_reason == FINISH_UNSPECIFIED and not msg.HasField("usage"):
+                    continue  # a keep-alive: the request waits its turn on a busy verifier (it resets the idle limit)
                 if msg.token_ids:
                     segment.steps += 1
                 segment.drafted = max(segment.drafted, msg.drafted_tokens)
