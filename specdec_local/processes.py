@@ -159,9 +159,10 @@ class Service:
             return None
         try:
             with open(f"/proc/{self.proc.pid}/statm") as f:  # type: ignore[union-attr]
-                return int(f.read().split()[1]) * _PAGE
+                resident = int(f.read().split()[1]) * _PAGE
         except (OSError, IndexError, ValueError):
             return None
+        return resident or None  # 0: killed, not yet reaped (a zombie has no memory)
 
     def tail(self, lines: int = LOG_TAIL_LINES) -> str:
         try:
