@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPECDEC_CACHE_DIR ?= $(CURDIR)/.cache/specdec
 
-.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean train-draft
+.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean train-draft soak
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ bench: $(STAMP)
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench
+
+# Load and chaos for SOAK_ARGS (default 10 minutes, 64 clients): gateway + 2 verifiers + proposer as processes,
+# a verifier and the proposer SIGKILLed and restarted; exits 1 if a check fails (docs/RELIABILITY.md).
+SOAK_ARGS ?= --duration-s 600 --clients 64 --out .cache/soak
+soak: $(STAMP)
+	OMP_WAIT_POLICY=PASSIVE $(PY) -m specdec_bench.soak $(SOAK_ARGS)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -90,11 +90,15 @@ class _Accounting:
     steps: int = 0
     cached_prompt: int | None = None
 
-    def add_segment(self, usage: common_pb2.Usage | None, steps_seen: int) -> None:
+    def add_segment(self, segment: _Segment) -> None:
         # A segment that ended without its final message (cancelled after a stop string, or its verifier
-        # died) has no usage: its steps are counted from the messages, its drafts are unknown.
+        # died) has no usage: its steps are counted from the messages, its drafts from the running counts
+        # every message carries.
+        usage, steps_seen = segment.usage, segment.steps
         if usage is None:
             self.steps += steps_seen
+            self.drafted += segment.drafted
+            self.accepted += segment.accepted
             return
         self.drafted += usage.drafted_tokens
         self.accepted += usage.accepted_tokens
@@ -131,6 +135,8 @@ class GatewayCounters:
 class _Segment:
     usage: common_pb2.Usage | None = None
     steps: int = 0
+    drafted: int = 0  # the verifier's running counts for this segment, from its latest message
+    accepted: int = 0
     calls: list[Any] = field(default_factory=list)
 
 
@@ -267,14 +273,14 @@ class GatewayCore:
                         self.telemetry.chunk(run.traced, len(chunk.token_ids))
                         run.grant.charge(len(chunk.token_ids))
                         if final is not None:
-                            run.acct.add_segment(segment.usage, segment.steps)
+                            run.acct.add_segment(segment)
                             self._finish(run, prepared, out.token_ids, final)
                         yield chunk, final
             except _VerifierFull as err:
                 run.full_backends.add(backend.address)  # not a failure: the next pick skips it
                 run.full_reason = str(err)
             except _VerifierFailed as err:
-                run.acct.add_segment(segment.usage, segment.steps)
+                run.acct.add_segment(segment)
                 self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
 
     async def _pick_backend(self, session_id: str, exclude: set[str], run: _RequestRun) -> Any:
@@ -386,8 +392,12 @@ class GatewayCore:
             while (msg := await self._next_message(call, address)) is not grpc.aio.EOF:
                 if last is not None:
                     continue  # nothing follows the final message; reading on to the end completes the call
+                if not msg.token_ids and msg.finish_reason == FINISH_UNSPECIFIED and not msg.HasField("usage"):
+                    continue  # a keep-alive: the request waits its turn on a busy verifier (it resets the idle limit)
                 if msg.token_ids:
                     segment.steps += 1
+                segment.drafted = max(segment.drafted, msg.drafted_tokens)
+                segment.accepted = max(segment.accepted, msg.accepted_tokens)
                 if msg.HasField("usage"):
                     segment.usage = msg.usage  # the last message's; a verifier may also send it earlier
                 # before out.add: a verifier whose logprobs do not fit is left with none of its tokens taken

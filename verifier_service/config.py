@@ -84,6 +84,13 @@ class VerifierConfig(TLSConfig):
         default=20.0,
         metadata={"help": "on SIGTERM, seconds to let running requests finish before they are aborted"},
     )
+    keepalive_interval_s: float = field(
+        default=10.0,
+        metadata={
+            "help": "a request that waits its turn this long while the engine steps other requests gets an empty "
+            "message, so a gateway does not take the silence for a hung verifier (none while the engine is stuck)"
+        },
+    )
     metrics_port: int = field(
         default=0, metadata={"help": "Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables"}
     )
@@ -124,5 +131,7 @@ class VerifierConfig(TLSConfig):
                 raise ValueError(f"--proposer address {address!r} is not host:port")
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.keepalive_interval_s <= 0:
+            raise ValueError(f"--keepalive-interval-s must be > 0, got {self.keepalive_interval_s}")
         if self.grace_period_s < 0 or self.proposer_reconnect_max_s <= 0:
             raise ValueError("--grace-period-s must be >= 0 and --proposer-reconnect-max-s > 0")

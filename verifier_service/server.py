@@ -88,7 +88,10 @@ def num_logprobs_of(request: verifier_pb2.VerifierGenerateRequest) -> int | None
 
 def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier_pb2.VerifierGenerateResponse:
     msg = verifier_pb2.VerifierGenerateResponse(
-        token_ids=update.token_ids, finish_reason=FINISH_TO_PROTO[update.finish_reason]
+        token_ids=update.token_ids,
+        finish_reason=FINISH_TO_PROTO[update.finish_reason],
+        drafted_tokens=update.usage.drafted_tokens,  # running counts: they outlive this verifier's death
+        accepted_tokens=update.usage.accepted_tokens,
     )
     if num_logprobs is not None:
         logprobs_to_proto(update.logprobs or [], num_logprobs, msg.logprobs)
@@ -154,8 +157,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
         default_max_tokens: int,
         tensor_parallel_size: int = 1,
         telemetry: VerifierTelemetry | None = None,
+        keepalive_interval_s: float = 10.0,
     ) -> None:
         self.loop = loop
+        self.keepalive_interval_s = keepalive_interval_s
         self.telemetry = telemetry or VerifierTelemetry(Telemetry("specdec-verifier"), loop.engine, None, loop)
         self.model_name = model_name
         self.max_model_len = max_model_len
@@ -182,7 +187,10 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             num_logprobs = num_logprobs_of(request)
             updates = self.loop.generate(request_id, prompt, params, max_draft, request.output_offset, num_logprobs)
             async with contextlib.aclosing(updates):
-                async for update in updates:
+                async for update in self._with_keepalives(updates):
+                    if update is None:
+                        yield verifier_pb2.VerifierGenerateResponse()  # still queued; the engine is alive
+                        continue
                     self.telemetry.request_update(traced, len(update.token_ids))
                     yield update_to_proto(update, num_logprobs)
                     if update.finished:
@@ -219,6 +227,34 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(code, message)
         finally:  # cancelled by the client (or ended above): no-op when already ended
             self.telemetry.request_cancelled(traced)
+
+    async def _with_keepalives(self, updates: AsyncIterator[Update]) -> AsyncIterator[Update | None]:
+        """The request's updates, and None after each keepalive_interval_s without one during which the engine
+        stepped (the request waits behind others). A stuck engine steps no more and gets no keep-alive, so a
+        gateway's idle limit still catches it."""
+        steps = self.loop.stats().steps
+        pending = asyncio.ensure_future(anext(updates))
+        try:
+            while True:
+                done, _ = await asyncio.wait({pending}, timeout=self.keepalive_interval_s)
+                if not done:
+                    now = self.loop.stats().steps
+                    if now != steps:
+                        steps = now
+                        yield None
+                    continue
+                try:
+                    update = pending.result()
+                except StopAsyncIteration:
+                    return
+                yield update
+                pending = asyncio.ensure_future(anext(updates))
+        finally:
+            if not pending.done():
+                # The generator must be left before it is closed (aclosing): cancel the read, wait for it.
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
+                    await pending
 
     async def GetStats(
         self, request: verifier_pb2.VerifierGetStatsRequest, context: grpc.aio.ServicerContext
@@ -359,6 +395,7 @@ class VerifierServer(ServiceRuntime):
             default_max_tokens=config.default_max_tokens,
             tensor_parallel_size=config.tensor_parallel_size,
             telemetry=observer,
+            keepalive_interval_s=config.keepalive_interval_s,
         )
         server = new_server(telemetry.server_interceptors())
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)

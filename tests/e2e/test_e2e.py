@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 
 from gateway.health_probe import check_once
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
-from tests.e2e.conftest import GATEWAY_SERVICE, MAX_MODEL_LEN, K, Stack
+from specdec_local.processes import GATEWAY_SERVICE, MAX_MODEL_LEN, K, Stack
 from tests.real_models import MAX_NEW_TOKENS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

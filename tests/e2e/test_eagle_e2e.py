@@ -12,7 +12,7 @@ import torch
 
 from shared.model.loader import load_hf_model
 from shared.settings import default_target_model
-from tests.e2e.conftest import Stack
+from specdec_local.processes import Stack
 from tests.e2e.test_e2e import GREEDY_INDICES, check_greedy, engine_stats, gateway, generate, verifier
 from tests.real_models import MAX_NEW_TOKENS
 

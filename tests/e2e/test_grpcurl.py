@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import GATEWAY_SERVICE, Stack
+from specdec_local.processes import GATEWAY_SERVICE, Stack
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

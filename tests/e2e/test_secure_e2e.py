@@ -17,7 +17,7 @@ import pytest
 from gateway.health_probe import check_once
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.tls import ClientTLS, sync_channel
-from tests.e2e.conftest import GATEWAY_SERVICE, Stack
+from specdec_local.processes import GATEWAY_SERVICE, Stack
 from tests.e2e.test_e2e import GREEDY_INDICES, check_greedy, generate
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -20,7 +20,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_target_model
-from tests.e2e.conftest import HOST, Service, Stack, free_port
+from specdec_local.processes import HOST, Service, Stack, free_port
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -72,6 +72,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     active: int = 0
     time_remaining: list[float | None] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()  # reported in GetStats
+    keepalive_s: float = 0.0  # first: empty messages every 0.1 s for this long (the request waits its turn)
 
     def chunks(self, request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
         if self.script is not None:
@@ -88,6 +89,9 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 await context.abort(*self.error)
             chunks = self.chunks(request)
             sent = 0
+            for _ in range(round(self.keepalive_s / 0.1)):
+                await context.write(verifier_pb2.VerifierGenerateResponse())
+                await asyncio.sleep(0.1)
             for i, chunk in enumerate(chunks):
                 if self.fail_after is not None and sent >= self.fail_after and self.failures_left["n"] > 0:
                     self.failures_left["n"] -= 1
@@ -95,9 +99,12 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 if self.stall_after is not None and sent >= self.stall_after and self.failures_left["n"] > 0:
                     self.failures_left["n"] -= 1
                     await asyncio.Event().wait()  # until the gateway gives up and cancels the call
-                msg = verifier_pb2.VerifierGenerateResponse(token_ids=chunk)
                 sent += len(chunk)
                 steps = i + 1
+                # Running counts in every message, as the verifier sends them (3 drafts per step, see below).
+                msg = verifier_pb2.VerifierGenerateResponse(
+                    token_ids=chunk, drafted_tokens=3 * steps, accepted_tokens=sent - steps
+                )
                 if i == len(chunks) - 1 and not (self.hang or self.abort_at_end):
                     msg.finish_reason = self.finish_reason
                     if self.stop_token_id is not None:
@@ -569,8 +576,31 @@ def test_request_resumes_on_another_verifier_when_its_verifier_dies(tokenizer):
             # Seeded sampling goes on from output position 6 on the new verifier.
             assert first_try.output_offset == 0 and resumed.output_offset == 6
             assert resumed.request_id == first_try.request_id
+            # Usage covers both segments: the dead one's drafts come from its running counts (3 steps: 9
+            # drafted, 3 accepted), the resumed one's from its final usage (7 steps: 21 drafted, 7 accepted).
+            assert last.usage.num_steps == 10
+            assert (last.usage.drafted_tokens, last.usage.accepted_tokens) == (30, 10)
             stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
             assert stats.resumed_requests == 1
+
+    run(scenario())
+
+
+def test_keepalives_of_a_queued_request_are_not_silence_and_not_forwarded(tokenizer):
+    """A verifier that keeps a request queued for longer than stream_idle_timeout_s but sends keep-alives (empty
+    messages) is not given up: no resume, and the client gets only messages with tokens."""
+
+    async def scenario() -> None:
+        fakes = [await start_fake(f"v{i}", keepalive_s=1.5) for i in range(2)]
+        async with Harness(tokenizer, fakes, stream_idle_timeout_s=0.5) as h:
+            prompt = [1, 2, 3]
+            responses = await h.generate(prompt_token_ids=prompt, max_tokens=8)
+            ids, _ = joined(responses)
+            assert ids == counting(len(prompt), 8)
+            assert all(r.token_ids for r in responses), "an empty keep-alive reached the client"
+            assert sum(len(f.fake.requests) for f in fakes) == 1
+            stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest())
+            assert stats.resumed_requests == 0 and all(b.healthy for b in stats.backends)
 
     run(scenario())
 

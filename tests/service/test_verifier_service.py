@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import math
 import time
 
@@ -144,6 +145,10 @@ def test_greedy_over_grpc_with_the_target_as_draft_matches_plain_greedy():
                     assert u.num_steps == len([m for m in messages if m.token_ids]) < 24  # several tokens a step
                     assert u.accepted_tokens >= 0.9 * u.drafted_tokens > 0  # draft == target: (nearly) all accepted
                     assert math.isclose(u.mean_accepted_length, 24 / u.num_steps)
+                    # Every message carries the running counts (the gateway's share of a segment cut by a crash).
+                    drafted = [m.drafted_tokens for m in messages]
+                    assert drafted == sorted(drafted) and drafted[0] < drafted[-1] == u.drafted_tokens
+                    assert messages[-1].accepted_tokens == u.accepted_tokens
                 s = await stats(stub)
                 assert s.proposer_connected and s.acceptance_rate >= 0.9 and s.drafted_tokens > 0
                 assert s.emitted_tokens == 72 and s.finished_requests == 3 and s.aborted_requests == 0
@@ -428,6 +433,31 @@ def test_bad_input_is_invalid_argument_and_does_not_disturb_a_running_request():
                 assert tokens == reference(tuple(PROMPTS[1]), 40)
                 s = await stats(stub)
                 assert s.kv_blocks_free == s.kv_blocks_total and s.finished_requests == 2
+        finally:
+            await verifier.shutdown(0.5)
+
+    run(body())
+
+
+def test_a_queued_request_gets_keepalives_while_the_engine_serves_others():
+    """One sequence at a time: the second request waits for the first to finish and, meanwhile, receives empty
+    messages (the engine is stepping), so a gateway does not take it for a hung stream; its tokens are unchanged."""
+
+    async def body():
+        verifier = await start_verifier(max_num_seqs=1, keepalive_interval_s=0.05, step_delay_s=0.02)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                first = asyncio.create_task(collect(stub, request(PROMPTS[0], 30)))
+                await asyncio.sleep(0.2)  # the first one runs
+                tokens, messages = await collect(stub, request(PROMPTS[1], 10))
+                running_tokens, running_messages = await first
+                assert tokens == reference(tuple(PROMPTS[1]), 10)
+                assert running_tokens == reference(tuple(PROMPTS[0]), 30)
+                waiting = list(itertools.takewhile(lambda m: not m.token_ids, messages))
+                assert len(waiting) >= 2, "no keep-alive while the request waited"
+                assert all(m.finish_reason == G.FINISH_REASON_UNSPECIFIED and not m.HasField("usage") for m in waiting)
+                assert all(m.token_ids for m in running_messages[:-1]), "a running request got a keep-alive"
         finally:
             await verifier.shutdown(0.5)
 
