@@ -41,7 +41,10 @@ class ProposerConfig(TLSConfig):
     max_model_len: int = field(
         default=2048, metadata={"help": "context length of the draft model (clamped to the model's own)"}
     )
-    block_size: int = field(default=16, metadata={"help": "tokens per draft KV cache block"})
+    block_size: int = field(
+        default=0,
+        metadata={"help": "tokens per draft KV cache block (0 = auto: 256 where flash-attn runs, else 16)"},
+    )
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "draft KV cache blocks (default: max_num_seqs full-length sequences)"}
     )
@@ -89,7 +92,9 @@ class ProposerConfig(TLSConfig):
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --kind draft-model")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
-        for name in ("max_k", "max_num_seqs", "max_model_len", "block_size", "draft_top_n"):
+        if self.block_size < 0:
+            raise ValueError(f"--block-size must be >= 0 (0 = auto), got {self.block_size}")
+        for name in ("max_k", "max_num_seqs", "max_model_len", "draft_top_n"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

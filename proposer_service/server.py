@@ -305,6 +305,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 
     from proposer_service.draft_model import DraftModelDrafter
     from shared.kv.block_manager import BlockManager
+    from shared.model.attention import resolve_block_size
     from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
     from shared.model.dtype import resolve_dtype
     from shared.model.info import resolve_device, tokenizer_fingerprint
@@ -324,14 +325,15 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     else:
         model, arch = load_model(name, dtype, device)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-    cache = CacheConfig(config.block_size, config.num_kv_blocks, config.attention_backend)
+    block_size = resolve_block_size(config.block_size, config.attention_backend, device)
+    cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend)
     num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
     runner: ModelRunner
     if tp_size > 1:
         runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)
     else:
         runner = make_runner(model, arch, num_blocks, cache)
-    blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+    blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
     drafter = DraftModelDrafter(runner, blocks, top_n=config.draft_top_n)
     info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
     log.info(
@@ -341,7 +343,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         arch.vocab_size,
         arch.num_layers,
         num_blocks,
-        config.block_size,
+        block_size,
         tp_size,
         time.monotonic() - started,
     )
@@ -351,6 +353,7 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
 def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     """The head from its folder and, from the target, only the embedding and LM head tensors."""
     from proposer_service.eagle import make_eagle_drafter
+    from shared.model.attention import DEFAULT_BLOCK_SIZE
     from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_embeddings
     from shared.settings import default_eagle_head, default_target_model
@@ -359,14 +362,15 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     started = time.monotonic()
     embedding, lm_head, arch = load_embeddings(target)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-    blocks_per_seq = math.ceil((max_model_len + config.max_k + 1) / config.block_size)
+    block_size = config.block_size or DEFAULT_BLOCK_SIZE  # the head's attention is plain torch: no flash pages
+    blocks_per_seq = math.ceil((max_model_len + config.max_k + 1) / block_size)
     num_blocks = config.num_kv_blocks or config.max_num_seqs * blocks_per_seq
     drafter = make_eagle_drafter(
         head_dir,
         embedding,
         lm_head,
         num_blocks,
-        config.block_size,
+        block_size,
         config.enable_prefix_caching,
         config.draft_top_n,
         resolve_device(config.device),

@@ -43,7 +43,10 @@ class VerifierConfig(TLSConfig):
     max_model_len: int = field(
         default=2048, metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"}
     )
-    block_size: int = field(default=16, metadata={"help": "tokens per KV cache block"})
+    block_size: int = field(
+        default=0,
+        metadata={"help": "tokens per KV cache block (0 = auto: 256 where flash-attn runs, which needs it; else 16)"},
+    )
     num_kv_blocks: int | None = field(
         default=None, metadata={"help": "KV cache blocks (default: max_num_seqs full-length sequences)"}
     )
@@ -115,12 +118,13 @@ class VerifierConfig(TLSConfig):
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
-            "block_size",
             "default_max_tokens",
             "proposer_timeout_ms",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.block_size < 0:
+            raise ValueError(f"--block-size must be >= 0 (0 = auto), got {self.block_size}")
         if self.max_waiting < 0:
             raise ValueError(f"--max-waiting must be >= 0, got {self.max_waiting}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

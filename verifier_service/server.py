@@ -313,6 +313,7 @@ class VerifierServer(ServiceRuntime):
         is rank 0; see shared/model/tp_group.py), so `target` must not be given. `telemetry`: default from
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
 
+        from shared.model.attention import resolve_block_size
         from shared.model.build import CacheConfig, read_arch
         from shared.model.dtype import resolve_dtype
         from shared.model.info import resolve_device
@@ -361,9 +362,8 @@ class VerifierServer(ServiceRuntime):
             max_waiting=config.max_waiting,
             adaptive_k=config.adaptive_k,
         )
-        cache = CacheConfig(
-            config.block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching
-        )
+        block_size = resolve_block_size(config.block_size, config.attention_backend, device)
+        cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
         if tp_size > 1:
             try:
                 engine = await asyncio.to_thread(

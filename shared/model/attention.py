@@ -229,6 +229,20 @@ class FlashPagedAttention:
         return _unpad(out, meta)
 
 
+DEFAULT_BLOCK_SIZE = 16
+FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache's paged KV takes pages of a multiple of 256 tokens
+
+
+def resolve_block_size(block_size: int, attention_backend: str, device: torch.device | str) -> int:
+    """`block_size` 0 (the services' default) = auto: 256 where flash-attn will run (CUDA, flash-attn installed,
+    backend auto or flash), else 16, the finer page: more prefix blocks shared, less of a last block wasted."""
+    if block_size:
+        return block_size
+    on_cuda = torch.device(device).type == "cuda"
+    flash = flash_attn_with_kvcache is not None and on_cuda and attention_backend in ("auto", "flash")
+    return FLASH_BLOCK_SIZE if flash else DEFAULT_BLOCK_SIZE
+
+
 def select_backend(name: str, device: torch.device | str, block_size: int):
     """'auto' picks flash-attn on CUDA when installed and the block size allows it, else torch."""
     on_cuda = torch.device(device).type == "cuda"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.model import attention
 from shared.model.attention import SeqSpan, build_metadata
 from shared.model.build import CacheConfig, make_runner
 from shared.model.loader import load_model
@@ -54,3 +55,14 @@ def test_long_prefill_chunk_with_decodes_equals_each_alone(target):
         want = alone.forward([item])[0]
         assert got.shape == want.shape == (item.num_logits, vocab)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-4)
+
+
+def test_block_size_auto_is_256_only_where_flash_attn_runs(monkeypatch):
+    assert attention.resolve_block_size(8, "auto", "cuda") == 8  # an explicit size wins
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", None)
+    assert attention.resolve_block_size(0, "auto", "cuda") == 16  # no flash-attn installed
+    monkeypatch.setattr(attention, "flash_attn_with_kvcache", object())
+    assert attention.resolve_block_size(0, "auto", "cuda:0") == 256
+    assert attention.resolve_block_size(0, "flash", "cuda") == 256
+    assert attention.resolve_block_size(0, "torch", "cuda") == 16
+    assert attention.resolve_block_size(0, "auto", "cpu") == 16
