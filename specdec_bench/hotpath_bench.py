@@ -1,7 +1,8 @@
 """Hot-path section (issue 16): verification cost under production sampling settings, and a mixed
-prefill + decode step, each beside the code it replaced ("before", loaded from a git ref, main by default).
+prefill + decode step, each beside the code it replaced ("before", loaded from a git ref: by default the
+commit before issue 16).
 
-    python -m specdec_bench.hotpath_bench [--reps 7] [--baseline-ref main]
+    python -m specdec_bench.hotpath_bench [--reps 7] [--baseline-ref bd92109]
 
 Verify: batch 8, k = 4, the real target's logits at 5 positions inside each of 8 general prompts' text,
 sparse sampled drafts (top 64, as the proposer sends them; one-hot for greedy); target probabilities +
@@ -152,10 +153,17 @@ def mixed_step_times(model_arch, reps: int) -> dict[str, float]:
     return times
 
 
+# The last commit before issue 16 changed the sampler and the verification: "before" stays that code once
+# the change is on main (a default of `main` would compare the new code with itself).
+BEFORE_ISSUE_16 = "bd92109"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=7)
-    parser.add_argument("--baseline-ref", default="main", help="git ref whose sampler is the 'before' side")
+    parser.add_argument(
+        "--baseline-ref", default=BEFORE_ISSUE_16, help="git ref whose sampler is the 'before' side (%(default)s)"
+    )
     parser.add_argument("--skip-mixed", action="store_true")
     args = parser.parse_args(argv)
     before_sampling = load_ref(args.baseline_ref, "shared/sampling.py", "before_sampling")
