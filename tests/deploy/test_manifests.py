@@ -105,8 +105,10 @@ def test_ports_and_grpc_probes_match_the_server(overlay, component):
     dep = deployment(docs, component)
     ctr = container(dep)
     config = service_config(docs, component)
-    (port,) = ctr["ports"]
-    assert port["name"] == "grpc" and port["containerPort"] == config.port
+    # Every service serves gRPC; the gateway also its OpenAI-compatible HTTP API (--http-port).
+    http_port = getattr(config, "http_port", 0)
+    expected = {"grpc": config.port, **({"http": http_port} if http_port else {})}
+    assert {p["name"]: p["containerPort"] for p in ctr["ports"]} == expected
     probes = dict(grpc_probes(ctr))
     assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}
     targets = {kind: probe_target(probe) for kind, probe in probes.items()}
@@ -121,8 +123,7 @@ def test_ports_and_grpc_probes_match_the_server(overlay, component):
     services = [s for s in of_kind(docs, "Service") if selects({"matchLabels": s["spec"]["selector"]}, pod_labels(dep))]
     assert services, f"no Service selects the {component} pods"
     for svc in services:
-        (svc_port,) = svc["spec"]["ports"]
-        assert svc_port["port"] == config.port and svc_port["targetPort"] == "grpc"
+        assert {p["targetPort"]: p["port"] for p in svc["spec"]["ports"]} == expected
 
 
 @pytest.mark.parametrize(("overlay", "component"), CASES)
@@ -218,7 +219,8 @@ def test_network_policies_only_gateway_to_verifiers_only_verifiers_to_proposers(
                 admitted = [c for c, labels in pods.items() if selects(peer["podSelector"], labels)]
                 assert admitted == [source]
     gateway_rules = allowed_ingress(docs, pods["gateway"])
-    assert [p["port"] for r in gateway_rules for p in r["ports"]] == [service_config(docs, "gateway").port]
+    gateway = service_config(docs, "gateway")
+    assert [p["port"] for r in gateway_rules for p in r["ports"]] == [gateway.port, gateway.http_port]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
