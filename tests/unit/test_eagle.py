@@ -29,6 +29,7 @@ from shared.proto_gen.specdec.v1 import proposer_pb2
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine
 from specdec_train.train import unrolled_forward
+from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy, ours, tiny_hf_model
 from verifier_service.engine import EngineConfig
 
@@ -331,33 +332,12 @@ class _LyingProbs:
 
 
 def _law_pvalues(target_hf, target, drafter_factory, n=3000):
-    from scipy.stats import chisquare
-
-    prompt = [5, 17, 33]
     temperature = 1.5
-    with torch.no_grad():
-        first = torch.softmax(target_hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        second_given = torch.softmax(target_hf(ctx).logits[:, -1] / temperature, -1)
-    second = first @ second_given
+    first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
     engine = engine_with_eagle(target, drafter_factory(), k=3, max_num_seqs=64, max_waiting=5000)
-    for i in range(n):
-        engine.add_request(f"s{i}", prompt, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
-    counts = torch.zeros(2, VOCAB)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
-    pvalues = []
-    for observed, law in ((counts[0], first), (counts[1], second)):
-        expected = law.double() * n
-        keep = expected >= 5  # chi-square needs expected counts >= 5; pool the rest
-        obs = torch.cat([observed[keep], observed[~keep].sum(0, keepdim=True)]).double()
-        exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-        exp = exp * obs.sum() / exp.sum()
-        pvalues.append(chisquare(obs.numpy(), exp.numpy()).pvalue)
-    return pvalues, engine
+    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
+    counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
+    return [law_pvalue(counts[0], first, n), law_pvalue(counts[1], second, n)], engine
 
 
 def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_hf, target):

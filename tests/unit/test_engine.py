@@ -12,6 +12,7 @@ from shared.errors import InvalidRequestError, QueueFullError
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
+from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy, ours, tiny_hf_model
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.sequence import FinishReason
@@ -238,33 +239,15 @@ def test_sampled_output_law_matches_target(target_hf, target, weak_draft):
     """Sampling through speculative decoding (sampled drafts with truncated sparse probabilities) gives
     the target's distribution: the first two emitted tokens' marginals against the exact law. The second
     token comes from a speculative step (k = 2 since 3 tokens remain after the prefill)."""
-    from scipy.stats import chisquare
-
-    prompt = [5, 17, 33]
     temperature = 1.5
-    with torch.no_grad():
-        first = torch.softmax(target_hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        second_given = torch.softmax(target_hf(ctx).logits[:, -1] / temperature, -1)  # [first, vocab]
-    second = first @ second_given
+    first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
     engine = engine_with(target, weak_draft, k=3, max_num_seqs=64, max_waiting=5000, max_model_len=16)
     engine.drafter.top_n = 8  # truncated drafts: the draft sends only its top 8 tokens
     n = 3000
-    for i in range(n):
-        engine.add_request(f"s{i}", prompt, SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True))
-    counts = torch.zeros(2, VOCAB)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
+    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
+    counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
     for observed, law in ((counts[0], first), (counts[1], second)):
-        expected = law.double() * n
-        keep = expected >= 5  # chi-square needs expected counts >= 5; pool the rest
-        obs = torch.cat([observed[keep], observed[~keep].sum(0, keepdim=True)]).double()
-        exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-        exp = exp * obs.sum() / exp.sum()  # the fp32 law sums to 1 only within rounding
-        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4
+        assert law_pvalue(observed, law, n) > 1e-4
     # Drafts were really sampled and both accepted and rejected, so the check covered both paths.
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens
 

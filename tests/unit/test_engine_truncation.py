@@ -4,9 +4,9 @@ top-k through speculative decoding (sampled, truncated drafts) follows transform
 from __future__ import annotations
 
 import pytest
-import torch
 
 from shared.sampling import SamplingParams
+from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy
 from tests.unit.test_engine import VOCAB, engine_with, prompts, run, target, target_hf, weak_draft  # noqa: F401
 from tests.unit.test_sampling import transformers_probs
@@ -24,37 +24,14 @@ def test_greedy_ignores_top_p_and_top_k(target_hf, target, weak_draft):  # noqa:
 def test_sampled_law_with_top_p_or_top_k(target_hf, target, weak_draft, truncation):  # noqa: F811
     """The first two emitted tokens' marginals against the exact law built with transformers' warpers; the
     second token comes from a speculative step with sampled drafts from the draft's top 8 tokens."""
-    from scipy.stats import chisquare
-
-    prompt = [5, 17, 33]
     params = SamplingParams(temperature=1.5, max_tokens=4, ignore_eos=True, **truncation)
-    with torch.no_grad():
-        first = transformers_probs(target_hf(torch.tensor([prompt])).logits[0, -1:].float(), params)[0]
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        second_given = transformers_probs(target_hf(ctx).logits[:, -1].float(), params)  # [first, vocab]
-    second = first @ second_given
+    first, second = two_token_law(target_hf, lambda logits: transformers_probs(logits, params), VOCAB)
     engine = engine_with(target, weak_draft, k=3, max_num_seqs=64, max_waiting=5000, max_model_len=16)
     engine.drafter.top_n = 8
     n = 3000
-    for i in range(n):
-        engine.add_request(f"s{i}", prompt, params)
-    counts = torch.zeros(2, VOCAB)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
+    counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
     for observed, law in ((counts[0], first), (counts[1], second)):
-        assert float(observed[law == 0].sum()) == 0, "emitted a token the truncation removes"
-        expected = law.double() * n
-        keep = expected >= 5
-        obs = torch.cat([observed[keep], observed[~keep].sum(0, keepdim=True)]).double()
-        exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-        nonempty = exp > 0  # the pooled bucket is empty when truncation removed every small token
-        assert float(obs[~nonempty].sum()) == 0
-        obs, exp = obs[nonempty], exp[nonempty]
-        exp = exp * obs.sum() / exp.sum()
-        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4
+        assert law_pvalue(observed, law, n) > 1e-4  # and no token the truncation removes
     # The truncation really removed tokens, and drafts were both accepted and rejected.
     assert int((first == 0).sum()) > 0
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens

@@ -17,6 +17,7 @@ from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.seeded import gumbel_noise, position_seed, seeded_tokens
 from specdec_local.builder import build_engine, make_draft_model_drafter
+from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import ours, tiny_hf_model
 from tests.unit.test_engine import VOCAB, prompts
 from verifier_service.engine import Engine, EngineConfig
@@ -143,35 +144,17 @@ def test_law_of_positions_one_and_two_is_the_targets_and_reused_noise_is_caught(
 def test_engine_output_law_matches_target_over_seeds(target_hf, target, weak_draft):
     """Through the engine with a sampled draft (coupled verification), one seed per request: the first two
     tokens' marginals against the exact law."""
-    prompt = [5, 17, 33]
     temperature = 1.5
-    with torch.no_grad():
-        first = torch.softmax(target_hf(torch.tensor([prompt])).logits[0, -1] / temperature, -1)
-        ctx = torch.tensor([prompt + [t] for t in range(VOCAB)])
-        second_given = torch.softmax(target_hf(ctx).logits[:, -1] / temperature, -1)  # [first, vocab]
-    second = first @ second_given
+    first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
     config = EngineConfig(
         num_speculative_tokens=3, max_num_seqs=64, max_waiting=5000, max_model_len=16, adaptive_k=False
     )
     engine = build_engine(target, make_draft_model_drafter(*weak_draft, config, CacheConfig(4)), config, CacheConfig(4))
     n = 2000
-    for i in range(n):
-        engine.add_request(
-            f"s{i}", prompt, SamplingParams(temperature=temperature, seed=i, max_tokens=4, ignore_eos=True)
-        )
-    counts = torch.zeros(2, VOCAB)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
+    params_for = lambda i: SamplingParams(temperature=temperature, seed=i, max_tokens=4, ignore_eos=True)  # noqa: E731
+    counts = first_two_token_counts(engine, n, params_for, VOCAB)
     for observed, law in ((counts[0], first), (counts[1], second)):
-        expected = law.double() * n
-        keep = expected >= 5  # chi-square needs expected counts >= 5; pool the rest
-        obs = torch.cat([observed[keep], observed[~keep].sum(0, keepdim=True)]).double()
-        exp = torch.cat([expected[keep], expected[~keep].sum(0, keepdim=True)])
-        exp = exp * obs.sum() / exp.sum()
-        assert chisquare(obs.numpy(), exp.numpy()).pvalue > 1e-4
+        assert law_pvalue(observed, law, n) > 1e-4
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # drafts both accepted and rejected
 
 
