@@ -293,6 +293,12 @@ class Trace:
     accepted: int = 0
     steps: int = 0
 
+    def arrived(self, at: float, token_ids) -> None:
+        """A message with tokens arrived at `at` (time.perf_counter())."""
+        self.times.append(at)
+        self.counts.append(len(token_ids))
+        self.ids.extend(token_ids)
+
     @property
     def tokens(self) -> int:
         return sum(self.counts)
@@ -384,9 +390,7 @@ async def run_gateway(
                 async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=tuple(metadata)):
                     now = time.perf_counter()
                     if msg.token_ids:
-                        trace.times.append(now)
-                        trace.counts.append(len(msg.token_ids))
-                        trace.ids.extend(msg.token_ids)
+                        trace.arrived(now, msg.token_ids)
                     if msg.HasField("usage"):
                         trace.drafted, trace.accepted = msg.usage.drafted_tokens, msg.usage.accepted_tokens
                         trace.steps = msg.usage.num_steps
@@ -437,9 +441,7 @@ async def run_http(
                         event = json.loads(line[len("data: ") :])
                         ids = event["choices"][0].get("token_ids", []) if event["choices"] else []
                         if ids:
-                            trace.times.append(now)
-                            trace.counts.append(len(ids))
-                            trace.ids.extend(ids)
+                            trace.arrived(now, ids)
                         if event.get("usage"):
                             trace.drafted = event["usage"]["drafted_tokens"]
                             trace.accepted = event["usage"]["accepted_tokens"]
@@ -470,9 +472,7 @@ async def run_verifier(address: str, prompts: Sequence[list[int]], max_tokens: i
             trace = Trace(time.perf_counter())
             async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S):
                 if msg.token_ids:
-                    trace.times.append(time.perf_counter())
-                    trace.counts.append(len(msg.token_ids))
-                    trace.ids.extend(msg.token_ids)
+                    trace.arrived(time.perf_counter(), msg.token_ids)
                 if msg.HasField("usage"):
                     trace.drafted, trace.accepted = msg.usage.drafted_tokens, msg.usage.accepted_tokens
                     trace.steps = msg.usage.num_steps
@@ -522,9 +522,7 @@ class InProcess:
                         if out.request_id != rid:
                             continue
                         if out.new_token_ids:
-                            trace.times.append(time.perf_counter())
-                            trace.counts.append(len(out.new_token_ids))
-                            trace.ids.extend(out.new_token_ids)
+                            trace.arrived(time.perf_counter(), out.new_token_ids)
                             trace.steps += 1
                         trace.drafted += out.num_drafted
                         trace.accepted += out.num_accepted
