@@ -64,6 +64,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_draft_model, default_eagle_head, default_target_model
 from specdec_bench.memory import PeakRSS, max_rss
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
+from specdec_bench.report import load_average, write_report
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from verifier_service.builder import engine_num_blocks
 from verifier_service.engine import Engine, EngineConfig
@@ -901,25 +902,6 @@ in place of 1, is the one that isolates the engine's own overhead (the target's 
 little of its own). Both are reported. With an even number of runs the median is the mean of the middle two."""
 
 
-def write_report(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def _load_average() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 32 tokens")
@@ -978,7 +960,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(plan.threads)
     torch.manual_seed(0)
     log = Progress()
-    load_start = _load_average()
+    load_start = load_average()
     target_name = args.target or default_target_model()
     draft_name = args.draft or default_draft_model()
     log(f"loading target {target_name} and draft {draft_name}" + (f", EAGLE head {eagle_dir}" if use_eagle else ""))
@@ -999,7 +981,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "machine": machine_info(malloc_tuned),
         "load_start": load_start,
-        "load_end": _load_average(),
+        "load_end": load_average(),
         "target": target_name,
         "draft": draft_name,
         "eagle": f"`{eagle_dir}`"
@@ -1015,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(summary, meta)
     print(section)
     if args.out:
-        write_report(Path(args.out), section)
+        write_report(Path(args.out), section, MARK_START, MARK_END)
         log(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str))

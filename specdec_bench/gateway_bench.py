@@ -56,8 +56,9 @@ from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from shared.tls import ClientTLS, aio_channel, sync_channel
-from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
+from specdec_bench.engine_bench import NUM_THREADS, chat_ids, machine_info
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
+from specdec_bench.report import load_average, write_report
 
 HOST = "127.0.0.1"
 K = 4
@@ -846,19 +847,6 @@ which receives the target's hidden states (fp16) with every draft request; greed
 target-only tokens like every other row."""
 
 
-def write_report(path: Path, section: str, start: str = MARK_START, end: str = MARK_END) -> None:
-    """Replace the text between the markers (append the section when they are missing)."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        tail = rest.split(end, 1)[1].lstrip("\n")
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke check: 1 run, 1 prompt at 1 client, 16 tokens")
@@ -909,7 +897,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(NUM_THREADS)
     log = Progress()
-    load_start = _load_average()
+    load_start = load_average()
     target_name, draft_name = default_target_model(), default_draft_model()
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -959,7 +947,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "machine": machine_info(malloc_tuned),
         "load_start": load_start,
-        "load_end": _load_average(),
+        "load_end": load_average(),
         "target": target_name,
         "draft": draft_name,
         "eagle": f"`{eagle_dir}`"
@@ -973,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
     section = render(summary, meta)
     print(section)
     if args.out:
-        write_report(Path(args.out), section)
+        write_report(Path(args.out), section, MARK_START, MARK_END)
         log(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str))

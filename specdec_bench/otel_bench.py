@@ -40,6 +40,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_target_model
 from shared.telemetry import Telemetry, setup_telemetry
 from specdec_bench.prompts import QUOTING_PROMPTS
+from specdec_bench.report import write_report
 from specdec_local.builder import build_engine
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.engine_loop import RequestUsage
@@ -190,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     section = report(args, results, hooks, receiver.spans)
     print(section)
     if not args.no_write:
-        write_report(args.out, section)
+        write_report(Path(args.out), section, MARK_START, MARK_END)
     return 0
 
 
@@ -243,16 +244,6 @@ def verdict(overhead: float, ratios: list[float], hook_fraction: float, spans: i
         "busy the machine is, unlike the tokens/s ratios. The batch exporter's thread and the receiver run "
         "beside the engine and are in the tokens/s figures only."
     )
-
-
-def write_report(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        text = head + section + rest.split(MARK_END, 1)[1].lstrip("\n")
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 if __name__ == "__main__":

@@ -33,9 +33,10 @@ import grpc
 from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
-from specdec_bench.engine_bench import NUM_THREADS, _load_average, machine_info
-from specdec_bench.gateway_bench import HOST, STARTUP_TIMEOUT_S, Proc, Stack, _command, free_port, write_report
+from specdec_bench.engine_bench import NUM_THREADS, machine_info
+from specdec_bench.gateway_bench import HOST, STARTUP_TIMEOUT_S, Proc, Stack, _command, free_port
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
+from specdec_bench.report import load_average, write_report
 
 TURNS = 5
 MAX_TOKENS = 32
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from shared.model.loader import load_tokenizer
 
-    load_start = _load_average()
+    load_start = load_average()
     target, draft = default_target_model(), default_draft_model()
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-prefix-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m specdec_bench.prefix_bench" + ("" if argv is not None else " " + " ".join(sys.argv[1:])),
         "machine": machine_info(malloc_tuned),
         "load_start": load_start,
-        "load_end": _load_average(),
+        "load_end": load_average(),
         "target": target,
         "draft": draft,
         "runs": args.runs,

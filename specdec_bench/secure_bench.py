@@ -39,7 +39,7 @@ from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from shared.tls import ClientTLS, aio_channel
-from specdec_bench.engine_bench import NUM_THREADS, _load_average, chat_ids, machine_info
+from specdec_bench.engine_bench import NUM_THREADS, chat_ids, machine_info
 from specdec_bench.gateway_bench import (
     CLIENTS,
     MAX_MODEL_LEN,
@@ -51,9 +51,9 @@ from specdec_bench.gateway_bench import (
     _fmt,
     build_stacks,
     run_gateway,
-    write_report,
 )
 from specdec_bench.prompts import GENERAL_PROMPTS
+from specdec_bench.report import load_average, write_report
 
 MARK_START = "<!-- secure-bench:start -->"
 MARK_END = "<!-- secure-bench:end -->"
@@ -384,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(NUM_THREADS)
     log = Progress()
-    load_start = _load_average()
+    load_start = load_average()
     target, draft = default_target_model(), default_draft_model()
     work = Path(tempfile.mkdtemp(prefix="specdec-secure-bench-"))
     s = make_secrets(work)
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "command": command.strip(),
         "machine": machine_info(malloc_tuned),
         "load_start": load_start,
-        "load_end": _load_average(),
+        "load_end": load_average(),
         "target": target,
         "draft": draft,
         "with_draft": args.draft,

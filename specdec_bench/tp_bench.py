@@ -40,6 +40,7 @@ from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.model.tp_group import RankSpec, default_threads_per_rank, launch_tp_runner
 from shared.sampling import SamplingParams
+from specdec_bench.report import load_average, write_report
 
 MARK_START = "<!-- tp-bench:start -->"
 MARK_END = "<!-- tp-bench:end -->"
@@ -273,25 +274,6 @@ def render(
     )
 
 
-def write_report(path: Path, section: str) -> None:
-    text = path.read_text() if path.exists() else "# Benchmarks\n\n"
-    if MARK_START in text and MARK_END in text:
-        head, rest = text.split(MARK_START, 1)
-        tail = rest.split(MARK_END, 1)[1].lstrip("\n")
-        text = head + section + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
-
-
-def _load_average() -> str:
-    try:
-        return " ".join(f"{x:.1f}" for x in os.getloadavg())
-    except OSError:
-        return "n/a"
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke check: 3 timed runs")
@@ -308,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:7.1f}s] {message}", file=sys.stderr, flush=True)
 
-    load_start = _load_average()
+    load_start = load_average()
     rows, plan, meta = run(args, log)
-    section = render(rows, plan, meta, args, (load_start, _load_average()))
+    section = render(rows, plan, meta, args, (load_start, load_average()))
     print(section)
     if args.out:
-        write_report(Path(args.out), section)
+        write_report(Path(args.out), section, MARK_START, MARK_END)
         log(f"wrote {args.out}")
     return 0
 
