@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared.grammar import StructuredOutput
 from shared.proto_gen.specdec.v1 import common_pb2
 from shared.sampling import SamplingParams
 
@@ -17,6 +18,8 @@ def sampling_params_to_proto(params: SamplingParams) -> common_pb2.SamplingParam
     )
     if params.seed is not None:
         msg.seed = params.seed
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
     return msg
 
 
@@ -29,5 +32,24 @@ def sampling_params_from_proto(msg: common_pb2.SamplingParams, **overrides: Any)
         top_p=msg.top_p if msg.HasField("top_p") else _DEFAULTS.top_p,
         min_p=msg.min_p if msg.HasField("min_p") else _DEFAULTS.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
+        structured_output=structured_output_from_proto(msg.structured_output)
+        if msg.HasField("structured_output")
+        else None,
         **overrides,
     )
+
+
+def structured_output_to_proto(constraint: StructuredOutput) -> common_pb2.StructuredOutput:
+    if constraint.kind == "json_object":
+        return common_pb2.StructuredOutput(json_object=True)
+    msg = common_pb2.StructuredOutput()
+    setattr(msg, constraint.kind, constraint.spec)
+    return msg
+
+
+def structured_output_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no format is set (or json_object is false)."""
+    kind = msg.WhichOneof("format")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from shared.grammar import StructuredOutput
+
 # Temperatures below this decode greedily (vLLM's _SAMPLING_EPS): dividing float32 logits by 1e-40 gives
 # inf - inf = NaN in the softmax, and a distribution that sharp is the argmax anyway.
 MIN_TEMPERATURE = 1e-5
@@ -26,6 +28,7 @@ class SamplingParams:
     max_tokens: int = 128
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    structured_output: StructuredOutput | None = None  # a format the output must match (shared/grammar.py)
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < MIN_TEMPERATURE:
@@ -55,6 +58,8 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be > 0, got {self.max_tokens}")
+        if self.structured_output is not None:
+            self.structured_output.validate()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
