@@ -84,9 +84,14 @@ class GrammarCompiler:
     """Compiles constraints for one tokenizer; thread-safe, with an LRU cache of checked grammars."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
+        """`tokenizer`: a transformers tokenizer, or an llguidance.LLTokenizer made by hand (tests)."""
+        import llguidance
         import llguidance.hf
 
-        self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+        if isinstance(tokenizer, llguidance.LLTokenizer):
+            self.ll_tokenizer = tokenizer
+        else:
+            self.ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         self.grammar_eos = self.ll_tokenizer.eos_token

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -16,6 +17,7 @@ import torch
 
 from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore, SparseProbs
 from shared.errors import InvalidRequestError, QueueFullError
+from shared.grammar import GrammarCompiler, mask_logits_
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.runner import ForwardItem, ModelRunner
@@ -58,6 +60,17 @@ class EngineStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class MaskTiming:
+    """The grammar masks of one step (time.perf_counter values): computed in a worker thread from `start` to
+    `end` while the target scored, and how long verification then `waited` for them."""
+
+    start: float
+    end: float
+    waited: float
+    rows: int  # scored positions masked
 
 
 class StepObserver(Protocol):
@@ -132,6 +145,14 @@ class Engine:
         self.observer: StepObserver | None = None
         # Keep every sequence's target hidden states even without a drafter that reads them (the trainer).
         self.capture_features = False
+        # Structured output (shared/grammar.py): None until enable_structured_output gives a tokenizer.
+        self.grammar: GrammarCompiler | None = None
+        self._mask_worker: ThreadPoolExecutor | None = None
+        self.last_masks: MaskTiming | None = None  # of the last step that masked, for telemetry
+
+    def enable_structured_output(self, tokenizer) -> None:
+        """Accept requests with a format; `tokenizer` is the target's (the grammar is matched on its tokens)."""
+        self.grammar = GrammarCompiler(tokenizer, self.runner.vocab_size, tuple(self.eos_token_ids))
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -164,6 +185,12 @@ class Engine:
             output_offset=output_offset,
             num_logprobs=num_logprobs,
         )
+        if params.structured_output is not None:
+            if self.grammar is None:
+                raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
+            seq.grammar = self.grammar.matcher(params.structured_output)
+            # A resumed request's emitted tokens end its prompt: the format continues after them.
+            seq.grammar.consume(prompt_ids[len(prompt_ids) - output_offset :])
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
 
@@ -220,6 +247,7 @@ class Engine:
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
+        masks = self._start_masks(batch, drafts)  # computed while the target scores
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
         hidden: list[torch.Tensor | None]
         if self.keeps_features:
@@ -231,7 +259,7 @@ class Engine:
         if not ingesting:  # a prompt's early ingest would count as drafting cost
             self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
-        emitted = self._verify(sampling)
+        emitted = self._verify(sampling, self._finish_masks(masks))
         verified = time.perf_counter()
         self.stats.steps += 1
         outputs = []
@@ -253,6 +281,7 @@ class Engine:
             num_top = s.seq.num_logprobs
             logprobs = token_logprobs(lg, tokens, num_top) if num_top is not None else None
             outputs.append(self._commit(s, draft, tokens, logprobs))
+        outputs = [self._advance_grammar(out) for out in outputs]
         if observer is not None:
             observer.step_finished(outputs, start, proposed, scored, verified)
         return outputs
@@ -315,6 +344,49 @@ class Engine:
                 drafts[draft.seq_id] = _trim(draft, s.k)
         return drafts, any(not s.samples for s, _ in scheduled)
 
+    def _start_masks(self, batch: list[ScheduledSeq], drafts: dict[str, Draft]) -> Future | None:
+        """Per constrained sequence that samples this step: the tokens its format allows at each scored position
+        along its draft ([k + 1, words] bitmask), computed in a worker thread. None when no sequence has one."""
+        rows = [(s.seq, drafts.get(s.seq.seq_id)) for s in batch if s.samples and s.seq.grammar is not None]
+        if not rows:
+            return None
+        if self._mask_worker is None:
+            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
+        return self._mask_worker.submit(self._compute_masks, rows)
+
+    def _compute_masks(self, rows: list[tuple[Sequence, Draft | None]]) -> tuple[dict[str, torch.Tensor], float, float]:
+        start = time.perf_counter()
+        assert self.grammar is not None
+        masks = {}
+        for seq, draft in rows:
+            draft_ids = draft.token_ids if draft is not None else []
+            bitmask = self.grammar.new_bitmask(len(draft_ids) + 1)  # [k + 1, words]
+            assert seq.grammar is not None
+            seq.grammar.fill_masks(draft_ids, bitmask)
+            masks[seq.seq_id] = bitmask
+        return masks, start, time.perf_counter()
+
+    def _finish_masks(self, job: Future | None) -> dict[str, torch.Tensor]:
+        if job is None:
+            return {}
+        wait_start = time.perf_counter()
+        masks, start, end = job.result()
+        rows = sum(m.shape[0] for m in masks.values())
+        self.last_masks = MaskTiming(start, end, time.perf_counter() - wait_start, rows)
+        return masks
+
+    def _advance_grammar(self, out: RequestOutput) -> RequestOutput:
+        """Move a constrained sequence's matcher past its emitted tokens. The masks allowed only such tokens, so
+        a mismatch is an internal fault: that request alone ends."""
+        seq = self.seqs.get(out.request_id)
+        if seq is None or seq.grammar is None or out.finished:
+            return out
+        try:
+            seq.grammar.consume(out.new_token_ids)
+        except InvalidRequestError as err:
+            return self._fail(seq, f"structured output: {err}")
+        return out
+
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq
         feed = seq.tokens[seq.num_computed : seq.num_computed + s.num_feed]
@@ -322,8 +394,13 @@ class Engine:
         num_logits = len(draft_ids) + 1 if s.samples else 0
         return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
 
-    def _verify(self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]]) -> list[list[int] | str]:
+    def _verify(
+        self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]], masks: dict[str, torch.Tensor]
+    ) -> list[list[int] | str]:
         """Per row: the emitted tokens, or why the row failed (its numbers went bad: that row alone ends).
+        `masks`: the allowed tokens of constrained rows at their scored positions, applied to the logits before
+        temperature and truncation, so every rule below samples the plain decoder's masked distribution; a
+        drafted token the format forbids has target probability 0 and is rejected.
 
         Tensors stay on the model's device; the host reads the bad-row flags and the emitted ids. Greedy rows
         are verified by comparing ids, sampled rows by rejection sampling over sparse or one-hot drafts (no
@@ -338,6 +415,12 @@ class Engine:
             if draft is not None and num_drafts[i]:
                 draft_ids[i, : int(num_drafts[i])] = torch.tensor(draft.token_ids, dtype=torch.int64)
         flat_logits = torch.cat([lg for _, _, lg in rows])  # [sum(k_i + 1), vocab]: no padding rows scored
+        if masks:  # a copy: the raw logits stay as they were for logprobs
+            starts = (torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)).tolist()
+            for i, (s, _, _) in enumerate(rows):
+                bitmask = masks.get(s.seq.seq_id)
+                if bitmask is not None:
+                    mask_logits_(flat_logits[starts[i] : starts[i] + bitmask.shape[0]], bitmask)
         flat_probs = self._target_probs(flat_logits, params, num_drafts + 1)
         target_logits = _pad_rows(flat_logits, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
         target_probs = _pad_rows(flat_probs, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]

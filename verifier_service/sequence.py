@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.drafting import FeatureStore
+from shared.grammar import GrammarMatcher
 from shared.sampling import SamplingParams
 from verifier_service.spec_policy import AcceptanceEstimate
 
@@ -41,6 +42,7 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     features: FeatureStore | None = None  # kept only when the drafter reads them (EAGLE)
     num_features_sent: int = 0  # positions whose features the proposer has been sent
+    grammar: GrammarMatcher | None = None  # the request's format, past its committed output (shared/grammar.py)
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import grpc
 
@@ -272,6 +273,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
+def _load_tokenizer(name: str) -> Any:
+    """The target's tokenizer, or None (structured output then answers INVALID_ARGUMENT)."""
+    from shared.model.loader import load_tokenizer
+
+    try:
+        return load_tokenizer(name)
+    except Exception as err:
+        log.warning("structured output is off: no tokenizer for %s: %s", name, err)
+        return None
+
+
 class VerifierServer(ServiceRuntime):
     """A running verifier: engine loop, optional remote proposer, gRPC server with health and reflection."""
 
@@ -330,6 +342,8 @@ class VerifierServer(ServiceRuntime):
         dtype = resolve_dtype(config.dtype, device, name)
         log.info("target dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
         started = time.monotonic()
+        # The tokenizer (for structured output) loads while the weights do.
+        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, name))
         if tp_size > 1:
             if target is not None:
                 raise ValueError("at --tensor-parallel-size > 1 every rank loads the target itself: pass no model")
@@ -382,6 +396,12 @@ class VerifierServer(ServiceRuntime):
         else:
             assert target is not None
             engine = build_engine(target, proposer, engine_config, cache)
+        tokenizer = await tokenizer_task
+        if tokenizer is not None:
+            try:
+                await asyncio.to_thread(engine.enable_structured_output, tokenizer)
+            except Exception as err:  # e.g. a tokenizer larger than a test model's vocabulary
+                log.warning("structured output is off: the grammar engine refused the tokenizer: %s", err)
         loop = EngineLoop(engine, proposer)
         if telemetry is None:
             telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
