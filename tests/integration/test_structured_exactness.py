@@ -1,0 +1,192 @@
+"""Structured output on the real models: greedy output token for token equal to transformers' greedy generation
+with the same grammar engine's logits processor, with no drafter, the n-gram drafter and the draft model, at
+batch 1 and in a mixed batch of 8 where constrained and free requests share the batch; and 200 sampled (T = 1,
+seeded) JSON outputs that all validate against their schema.
+
+CI runs a lean matrix; SPECDEC_FULL_MATRIX=1 (`make test-full`) runs every (drafter, k) at batch 1 and batch 8.
+The full matrix on tiny models runs in CI (tests/unit/test_structured_engine.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jsonschema
+import pytest
+import torch
+
+from proposer_service.ngram import NgramDrafter
+from shared.drafting import Drafter
+from shared.grammar import GrammarLogitsProcessor, StructuredOutput
+from shared.model.build import CacheConfig
+from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine, make_draft_model_drafter
+from tests.prompts import CHAT_PROMPTS
+from verifier_service.engine import Engine, EngineConfig
+
+pytestmark = pytest.mark.slow
+FULL_MATRIX = os.environ.get("SPECDEC_FULL_MATRIX") == "1"
+MAX_TOKENS = 48
+
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 16},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "maxLength": 16},
+    },
+    "required": ["name", "age", "city"],
+    "additionalProperties": False,
+}
+FORMATS = {
+    "json_schema": StructuredOutput("json_schema", json.dumps(PERSON)),
+    "regex": StructuredOutput("regex", r"(Yes|No), because [a-z ,]{10,60}\."),
+    "grammar": StructuredOutput("grammar", 'start: item (", " item)+ "."\nitem: /[A-Z][a-z]{2,12}/'),
+}
+QUESTIONS = {
+    "json_schema": ["Describe a famous scientist as JSON.", "Invent a character for a story, as JSON."],
+    "regex": ["Is the sea salty?", "Can cats swim?"],
+    "grammar": ["Name some planets.", "List a few fruits."],
+}
+CASES = [(fmt, q) for fmt, qs in QUESTIONS.items() for q in qs]  # 6 constrained requests
+
+
+@pytest.fixture(scope="module")
+def grammar(tokenizer, target):
+    from shared.grammar import GrammarCompiler
+
+    arch = target[1]
+    return GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
+
+
+def chat(tokenizer, text: str) -> list[int]:
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+
+
+@pytest.fixture(scope="module")
+def constrained_cases(tokenizer, hf_target, grammar):
+    """(prompt, format, transformers' constrained greedy output) per case."""
+    cases = []
+    for fmt, question in CASES:
+        prompt = chat(tokenizer, question)
+        processor = GrammarLogitsProcessor(grammar, [FORMATS[fmt]], len(prompt))
+        with torch.no_grad():
+            out = hf_target.generate(
+                torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, do_sample=False, logits_processor=[processor]
+            )
+        cases.append((prompt, FORMATS[fmt], out[0, len(prompt) :].tolist()))
+    return cases
+
+
+def make(target, draft, grammar, kind: str, k: int, max_num_seqs: int) -> Engine:
+    config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=1024, adaptive_k=False)
+    drafter: Drafter | None = None
+    if kind == "ngram":
+        drafter = NgramDrafter()
+    elif kind == "draft":
+        drafter = make_draft_model_drafter(*draft, config, CacheConfig())
+    engine = build_engine(target, drafter, config, CacheConfig(block_size=16))
+    engine.grammar = grammar
+    return engine
+
+
+def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                assert out.error is None, out.error
+                outs[out.request_id] = out.output_ids
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "blocks leaked"
+    return outs
+
+
+COMBOS = [("none", 0)] + [(kind, k) for kind in ("ngram", "draft") for k in (1, 3, 5)]
+BATCH8 = COMBOS if FULL_MATRIX else [("ngram", 3), ("draft", 3)]
+
+
+def batch1_assignment() -> list[tuple[str, int, list[int]]]:
+    """Every case with every combination under the full matrix; in CI the 6 cases are dealt over the 7
+    combinations (each constrained case meets one drafter)."""
+    if FULL_MATRIX:
+        return [(kind, k, list(range(len(CASES)))) for kind, k in COMBOS]
+    return [(kind, k, [c % len(CASES)]) for c, (kind, k) in enumerate(COMBOS)]
+
+
+@pytest.mark.parametrize(("kind", "k", "cases"), batch1_assignment())
+def test_batch_1(target, draft, grammar, constrained_cases, kind, k, cases):
+    engine = make(target, draft, grammar, kind, k, max_num_seqs=1)
+    for c in cases:
+        prompt, fmt, ref = constrained_cases[c]
+        outs = run(engine, {"r": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))})
+        assert outs["r"] == ref, f"{kind} k={k} case {CASES[c]}"
+
+
+@pytest.mark.parametrize(("kind", "k"), BATCH8)
+def test_mixed_batch_of_8(target, draft, grammar, tokenizer, constrained_cases, prompts, greedy_references, kind, k):
+    """6 constrained requests (3 formats) and 2 free ones in one batch of 8."""
+    engine = make(target, draft, grammar, kind, k, max_num_seqs=8)
+    requests = {
+        f"c{i}": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))
+        for i, (prompt, fmt, _) in enumerate(constrained_cases)
+    }
+    requests.update({f"free{i}": (prompts[i], SamplingParams(max_tokens=MAX_TOKENS)) for i in (0, 1)})
+    outs = run(engine, requests)
+    for i, (_, _, ref) in enumerate(constrained_cases):
+        assert outs[f"c{i}"] == ref, f"{kind} k={k} batch 8, case {CASES[i]}"
+    for i in (0, 1):
+        assert outs[f"free{i}"] == greedy_references[i][:MAX_TOKENS], f"{kind} k={k} batch 8, free prompt {i}"
+    assert engine.stats.drafted_tokens > 0
+    text = tokenizer.decode(outs["c0"], skip_special_tokens=True)
+    assert set(json.loads(text)) == {"name", "age", "city"}, text
+
+
+SCHEMAS = [
+    PERSON,
+    {
+        "type": "object",
+        "properties": {
+            "answer": {"enum": ["yes", "no", "maybe"]},
+            "confidence": {"type": "number", "minimum": 0, "maximum": 1},
+            "tags": {"type": "array", "items": {"type": "string", "maxLength": 8}, "maxItems": 3},
+        },
+        "required": ["answer", "confidence"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["ok", "count"],
+    },
+]
+
+
+def test_200_sampled_outputs_validate_against_their_schema(target, draft, tokenizer):
+    """T = 1, seeded, draft model at k = 3: every one of 200 outputs is complete JSON valid under its schema."""
+    from shared.grammar import GrammarCompiler
+
+    arch = target[1]
+    grammar = GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
+    engine = make(target, draft, grammar, "draft", 3, max_num_seqs=40)
+    questions = [q for qs in QUESTIONS.values() for q in qs] + CHAT_PROMPTS[:4]
+    requests = {}
+    for i in range(200):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        params = SamplingParams(
+            temperature=1.0,
+            seed=i,
+            max_tokens=96,
+            structured_output=StructuredOutput("json_schema", json.dumps(schema)),
+        )
+        requests[str(i)] = (chat(tokenizer, questions[i % len(questions)]), params)
+    outs = run(engine, requests)
+    assert len(outs) == 200
+    eos = set(arch.eos_token_ids)
+    for i, ids in outs.items():
+        assert ids[-1] in eos, f"request {i} hit max_tokens before its JSON ended"
+        document = json.loads(tokenizer.decode(ids, skip_special_tokens=True))
+        jsonschema.validate(document, SCHEMAS[int(i) % len(SCHEMAS)])
+    assert engine.stats.accepted_tokens > 0
