@@ -1,8 +1,9 @@
 """The gateway's core, shared by its two front ends (gRPC: servicer.py, OpenAI HTTP: http_api.py).
 
-Request flow: check fields -> tokenize (or render the chat template) -> pick a verifier -> stream
-Verifier.Generate, turning each verifier message into one chunk (token ids + UTF-8 safe text, text that
-might begin a stop string held back, logprobs when asked). The core keeps each live request's emitted tokens.
+Request flow: check fields (an output format is compiled here: a bad schema fails before routing) -> tokenize
+(or render the chat template) -> pick a verifier -> stream Verifier.Generate, turning each verifier message
+into one chunk (token ids + UTF-8 safe text, text that might begin a stop string held back, logprobs when
+asked). The core keeps each live request's emitted tokens.
 If its verifier fails mid-stream (UNAVAILABLE, or the verifier side cancelled the call) the request resumes
 on another healthy verifier: the new prompt is the original prompt plus the tokens emitted so far and
 max_tokens is lowered by their number, so the client sees one uninterrupted stream.
@@ -209,6 +210,8 @@ class GatewayCore:
         run = _RequestRun(internal_id, traced, started, client_id or internal_id, live_calls=live_calls, grant=grant)
         try:
             self.frontend.check_fields(fields, self.router.vocab_limit())
+            if fields.structured_output is not None:  # compiles in 1-40 ms (cached): off the event loop
+                await asyncio.to_thread(self.frontend.formats.check, fields.structured_output)
             prompt_ids = await self._prompt_ids(fields)
             prepared = self.frontend.prepare(fields, prompt_ids, internal_id)
             grant.charge(len(prepared.prompt_ids))

@@ -12,8 +12,11 @@ from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from gateway.format_check import FormatChecker
 from shared.errors import InvalidRequestError
+from shared.grammar import StructuredOutput
 from shared.logprobs import TokenLogprob, check_top_logprobs
+from shared.proto_convert import structured_output_from_proto
 from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 
@@ -41,6 +44,7 @@ class RequestFields:
     messages: tuple[tuple[str, str], ...] = ()  # (role, content): a chat, rendered with the chat template
     logprobs: bool = False
     top_logprobs: int = 0
+    structured_output: StructuredOutput | None = None  # the format the output must match; None: free text
 
     @classmethod
     def from_proto(cls, msg: Any) -> RequestFields:
@@ -65,6 +69,9 @@ class RequestFields:
             messages=tuple((m.role, m.content) for m in msg.messages),
             logprobs=msg.logprobs,
             top_logprobs=msg.top_logprobs,
+            structured_output=structured_output_from_proto(msg.structured_output)
+            if msg.HasField("structured_output")
+            else None,
         )
 
 
@@ -76,7 +83,7 @@ class PreparedRequest:
     session_id: str
     prompt_ids: tuple[int, ...]
     max_tokens: int
-    sampling: SamplingParams  # temperature, top_k, top_p, min_p, seed (max_tokens/stop ids live here too)
+    sampling: SamplingParams  # temperature, top_k, top_p, min_p, seed, format (max_tokens/stop ids too)
     stop: tuple[str, ...]
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
@@ -92,6 +99,7 @@ class Frontend:
         self.tokenizer_vocab = len(tokenizer)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id: int | None = eos if isinstance(eos, int) else None
+        self.formats = FormatChecker(tokenizer)
 
     # -- request side ------------------------------------------------------------------------------
 
@@ -262,6 +270,7 @@ class Frontend:
             max_tokens=int(pick(req.max_tokens, self.config.default_max_tokens)),
             stop_token_ids=tuple(req.stop_token_ids),
             ignore_eos=req.ignore_eos,
+            structured_output=req.structured_output,
         )
 
     # -- output side -------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """OpenAI-compatible request bodies (pydantic) and their translation to the core's RequestFields.
 
 Fields follow OpenAI's API; the sampling extensions are named as vLLM names them (top_k, min_p,
-stop_token_ids, ignore_eos). Fields we do not implement are refused with a clear 400 when set to anything
-but their neutral value (n > 1, penalties, echo, best_of, logit_bias, tools), never silently ignored;
-unknown fields are ignored, as OpenAI-compatible servers do.
+stop_token_ids, ignore_eos), and so are the output formats beside OpenAI's response_format
+(structured_outputs, guided_json / guided_regex / guided_grammar: openai_formats.py). Fields we do not
+implement are refused with a clear 400 when set to anything but their neutral value (n > 1, penalties, echo,
+best_of, logit_bias, tools), never silently ignored; unknown fields are ignored, as OpenAI-compatible
+servers do.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.frontend import RequestFields
+from gateway.openai_formats import structured_output_from_http
 from shared.errors import InvalidRequestError
 from shared.logprobs import MAX_TOP_LOGPROBS
 
@@ -48,6 +51,15 @@ class _Common(BaseModel):
     # ours: the upper bound on the draft length (0: no speculation), and session affinity
     max_draft_tokens: int | None = Field(default=None, ge=0)
     session_id: str = ""
+    # output formats (openai_formats.py): OpenAI's, vLLM's, vLLM's older ones; typed Any so that a bad shape
+    # gets a message naming the field and saying what it should be
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    guided_whitespace_pattern: Any = None
 
     def check_unsupported(self) -> None:
         if self.n != 1:
@@ -75,6 +87,17 @@ class _Common(BaseModel):
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "ignore_eos": self.ignore_eos,
             "max_draft_tokens": self.max_draft_tokens,
+            "structured_output": structured_output_from_http(
+                self.response_format,
+                self.structured_outputs,
+                {
+                    "guided_json": self.guided_json,
+                    "guided_regex": self.guided_regex,
+                    "guided_grammar": self.guided_grammar,
+                    "guided_choice": self.guided_choice,
+                    "guided_whitespace_pattern": self.guided_whitespace_pattern,
+                },
+            ),
         }
 
     @property
@@ -133,14 +156,11 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     def to_fields(self) -> RequestFields:
         self.check_unsupported()
         if self.tools:
             raise InvalidRequestError("tools are not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("response_format must be {'type': 'text'}; structured output is not supported")
         if not self.messages:
             raise InvalidRequestError("messages is empty: send at least one message")
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
