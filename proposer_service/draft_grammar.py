@@ -42,12 +42,20 @@ class DraftGrammar:
         self._warned_no_compiler = False
 
     def update(self, req: DraftRequest, tokens: list[int]) -> tuple[bool, GrammarMatcher | None]:
-        """Follow `req` (its committed tokens are `tokens`, already applied): (may draft, matcher or None when
-        the sequence is unconstrained). Called for every request, k = 0 included, so that a rewrite of the
-        history is never missed."""
+        """Follow `req` (its committed tokens are `tokens`, already applied): (may draft, the matcher at the end of
+        the committed output, or None when there is nothing to mask: unconstrained, or k = 0). Called for every
+        request, so that a rewrite of the history is never missed; a k = 0 request (a prompt chunk being
+        ingested, whose output position is not yet meaningful) only drops a matcher the rewrite invalidates,
+        and the matcher catches up in the next request that drafts."""
         constraint = req.params.structured_output
-        if constraint is None:
-            self._tracked.pop(req.seq_id, None)
+        tracked = self._tracked.get(req.seq_id)
+        if tracked is not None and (
+            constraint != tracked.constraint
+            or req.committed_len - len(req.new_token_ids) < tracked.output_start + tracked.num_fed
+        ):
+            del self._tracked[req.seq_id]  # the format changed, or committed tokens it has read were rewritten
+            tracked = None
+        if constraint is None or req.k <= 0:
             return True, None
         if self.compiler is None:
             if not self._warned_no_compiler:
@@ -56,22 +64,14 @@ class DraftGrammar:
             return False, None
         output_start = req.committed_len - req.draft_position
         if output_start < 0:  # more output than committed tokens: a broken request
-            self._tracked.pop(req.seq_id, None)
             return False, None
-        tracked = self._tracked.get(req.seq_id)
-        rewritten_from = req.committed_len - len(req.new_token_ids)
-        if (
-            tracked is None
-            or tracked.constraint != constraint
-            or tracked.output_start != output_start
-            or rewritten_from < output_start + tracked.num_fed
-        ):
+        if tracked is None or tracked.output_start != output_start:
             tracked = self._tracked[req.seq_id] = self._start(req.seq_id, constraint, output_start)
+        new_output = tokens[output_start + tracked.num_fed :]
+        tracked.num_fed += len(new_output)  # read, even where refused: a rewrite of it rebuilds the matcher
         if tracked.matcher is not None:
-            new_output = tokens[output_start + tracked.num_fed :]
             try:
                 tracked.matcher.consume(new_output)
-                tracked.num_fed += len(new_output)
             except InvalidRequestError:
                 log.warning("sequence %s: its committed output does not match its format: not drafted", req.seq_id)
                 tracked.matcher = None

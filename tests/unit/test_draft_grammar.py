@@ -374,3 +374,20 @@ def test_committed_tokens_rolled_back_rewind_the_format(kind, draft_model, eagle
     # the EAGLE drafter takes a rewrite only as a full resend, the only kind the engine sends).
     (draft,) = drafter.propose([request([a, one], [one] if kind == "draft-model" else prompt + [a, one])])
     assert draft.token_ids and matcher_allows(compiler, constraint.spec, [a, one], draft.token_ids)
+
+
+def test_a_prompt_ingested_in_chunks_is_not_read_as_output(draft_model, compiler, caplog):
+    """k = 0 chunks of a resumed request's prompt (draft_position counts its earlier output, the committed length
+    only the chunk so far) are not matched against the format; the first drafting request starts the matcher."""
+    drafter = new_draft_model_drafter(draft_model, compiler)
+    prompt = [21350, 281, 20110, 42, 216, 104, 216, 104]
+    earlier_output = [81, 82]  # "ab", generated before the request was resumed
+    params = SamplingParams(structured_output=REGEX)
+    tokens = prompt + earlier_output
+    with caplog.at_level(logging.WARNING, logger="specdec.proposer"):
+        for start, end in ((0, 4), (4, 8)):
+            (draft,) = drafter.propose([DraftRequest("c", end, tokens[start:end], 0, params, draft_position=2)])
+            assert draft.token_ids == []
+        (draft,) = drafter.propose([DraftRequest("c", len(tokens), tokens[8:], K, params, draft_position=2)])
+    assert caplog.text == ""
+    assert draft.token_ids and matcher_allows(compiler, REGEX.spec, earlier_output, draft.token_ids)
