@@ -125,7 +125,7 @@ class Sequence:
             matcher.consume(self.output + accepted)
             bitmask = compiler.new_bitmask(1)
             matcher.fill_masks([], bitmask)
-            allowed = [t for t in allowed_tokens(bitmask, vocab)[0].nonzero().flatten().tolist()]
+            allowed = allowed_tokens(bitmask, vocab)[0].nonzero().flatten().tolist()
             if all(t in compiler.eos_token_ids for t in allowed):
                 self.finished = True
                 return
