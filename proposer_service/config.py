@@ -25,8 +25,8 @@ class ProposerConfig(TLSConfig):
     target_model: str = field(
         default="",
         metadata={
-            "help": "kind eagle: the target the head drafts for; only its embedding and LM head are read "
-            "(default: the repository's target)"
+            "help": "kind eagle: the target the head drafts for; only its embedding and LM head are read; kind "
+            "ngram: only its tokenizer, for drafts under a format (default: the repository's target)"
         },
     )
     host: str = field(

@@ -14,16 +14,21 @@ Draft tokens never enter the cache: only the prefix that equals the committed to
 A long catch-up (a new long prompt, a full resend) runs in chunks of CATCH_UP_CHUNK tokens before the
 first draft position, as the verifier's chunked prefill does: one forward over thousands of tokens would
 pad every other sequence of the batch to its length.
+
+A sequence with a format (structured output) drafts from the draft model's distribution masked to the tokens
+its grammar allows at each position (proposer_service/draft_grammar.py); a drafted end-of-sequence ends it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from proposer_service.draft_grammar import DraftWalk, draft_walk
 from proposer_service.paged_drafter import PagedDrafter, common_prefix, draft_generator, stack_supports
 from shared.drafting import Draft, DraftRequest
+from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import logits_to_probs, params_to_tensors
@@ -39,13 +44,16 @@ class _SeqState:
 
 
 class DraftModelDrafter(PagedDrafter[_SeqState]):
-    def __init__(self, runner: ModelRunner, block_manager: BlockManager, top_n: int = 64) -> None:
-        super().__init__(runner.cache, block_manager, top_n)
+    def __init__(
+        self, runner: ModelRunner, block_manager: BlockManager, top_n: int = 64, grammar: GrammarCompiler | None = None
+    ) -> None:
+        super().__init__(runner.cache, block_manager, top_n, grammar)
         self.runner = runner
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
         active: list[tuple[DraftRequest, list[int]]] = []
+        matchers: list[GrammarMatcher | None] = []  # of the active sequences
         ingest: list[tuple[DraftRequest, list[int]]] = []
         in_request = {req.seq_id for req in requests}
         for req in requests:
@@ -53,14 +61,18 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
             if tokens is None:
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
                 continue
+            may_draft, matcher = self.grammar.update(req, tokens)
+            if not may_draft:
+                req = replace(req, k=0)
             prepared = self._prepare(req, tokens, in_request)
             drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
             if prepared and req.k > 0:
                 active.append((req, tokens))
+                matchers.append(matcher)
             elif prepared and req.new_token_ids:
                 ingest.append((req, tokens))
         self._ingest(ingest)
-        for draft in self._draft(active):
+        for draft in self._draft(active, matchers):
             drafts[draft.seq_id] = draft
         return [drafts[req.seq_id] for req in requests]
 
@@ -94,25 +106,44 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         self.blocks.free(seq_id)
         state.cached.clear()
 
-    def _draft(self, active: list[tuple[DraftRequest, list[int]]]) -> list[Draft]:
+    def _draft(
+        self, active: list[tuple[DraftRequest, list[int]]], matchers: list[GrammarMatcher | None]
+    ) -> list[Draft]:
         if not active:
             return []
+        walk = draft_walk(self.grammar, matchers)
+        try:
+            return self._draft_walking(active, walk)
+        finally:
+            if walk is not None:
+                walk.finish()
+
+    def _draft_walking(self, active: list[tuple[DraftRequest, list[int]]], walk: DraftWalk | None) -> list[Draft]:
         reqs = [req for req, _ in active]
         states = [self.states[req.seq_id] for req in reqs]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
         self._feed_in_chunks(reqs, states, feeds, keep=CATCH_UP_CHUNK)
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
+        ended = [False] * len(reqs)  # the format ended the draft early
         for step in range(max(req.k for req in reqs)):
-            rows = [i for i, req in enumerate(reqs) if req.k > step]
+            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
+            if not rows:
+                break
             items = []
             for i in rows:
                 items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), feeds[i], 1))
                 states[i].cached.extend(feeds[i])
             logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
+            if walk is not None:
+                logits, rows = walk.mask(logits, rows, ended)
             for row, (token, support) in zip(
                 rows, self._sample(logits, [reqs[i] for i in rows], states, rows, step), strict=True
             ):
+                keep, draft_on = walk.advance(row, token) if walk is not None else (True, True)
+                ended[row] = not draft_on
+                if not keep:
+                    continue
                 out_ids[row].append(token)
                 if support is not None:
                     out_probs[row].append(support)

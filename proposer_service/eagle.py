@@ -8,16 +8,22 @@ on predicted features (one forward per draft position), and the next request rol
 back. Drafts never affect what the verifier emits: a poor feature only costs acceptance.
 
 The head's prefix cache is keyed on token pairs: the K/V of head position j depends on tokens 0..j+1.
+
+A sequence with a format (structured output) drafts from the head's distribution masked to the tokens its
+grammar allows at each position (proposer_service/draft_grammar.py); a drafted end-of-sequence ends it, and
+so does a position where the head's vocabulary subset holds no allowed token.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
+from proposer_service.draft_grammar import DraftWalk, draft_walk
 from proposer_service.paged_drafter import PagedDrafter, draft_generator, stack_supports
 from shared.drafting import Draft, DraftRequest, FeatureStore
+from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, build_metadata
@@ -40,8 +46,15 @@ class _SeqState:
 class EagleDrafter(PagedDrafter[_SeqState]):
     needs_target_features = True
 
-    def __init__(self, head: EagleHead, cache: KVCache, block_manager: BlockManager, top_n: int = 64) -> None:
-        super().__init__(cache, block_manager, top_n)
+    def __init__(
+        self,
+        head: EagleHead,
+        cache: KVCache,
+        block_manager: BlockManager,
+        top_n: int = 64,
+        grammar: GrammarCompiler | None = None,
+    ) -> None:
+        super().__init__(cache, block_manager, top_n, grammar)
         self.head = head
         self.vocab_size = head.arch.vocab_size
 
@@ -50,19 +63,30 @@ class EagleDrafter(PagedDrafter[_SeqState]):
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
         active: list[tuple[DraftRequest, list[int]]] = []
+        matchers: list[GrammarMatcher | None] = []  # of the active sequences
         in_request = {req.seq_id for req in requests}
         for req in requests:
             tokens = self.history.apply(req)
             if tokens is None:
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-            elif self._can_draft(req, tokens, in_request):
+                continue
+            may_draft, matcher = self.grammar.update(req, tokens)
+            if not may_draft:
+                req = replace(req, k=0)
+            if self._can_draft(req, tokens, in_request):
                 active.append((req, tokens))
+                matchers.append(matcher)
             else:
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
         if active:
             self._catch_up(active)
-            for draft in self._draft([req for req, _ in active]):
-                drafts[draft.seq_id] = draft
+            walk = draft_walk(self.grammar, matchers)
+            try:
+                for draft in self._draft([req for req, _ in active], walk):
+                    drafts[draft.seq_id] = draft
+            finally:
+                if walk is not None:
+                    walk.finish()
         return [drafts[req.seq_id] for req in requests]
 
     # ---- state ----------------------------------------------------------------------------------
@@ -172,14 +196,17 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
-    def _draft(self, reqs: list[DraftRequest]) -> list[Draft]:
+    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk | None) -> list[Draft]:
         states = [self.states[req.seq_id] for req in reqs]
         guesses = [s.last_hidden for s in states]  # each: predicted feature at the first draft's position
         assert all(g is not None for g in guesses)
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
+        ended = [False] * len(reqs)  # the format ended the draft early
         for step in range(max(req.k for req in reqs)):
-            rows = [i for i, req in enumerate(reqs) if req.k > step]
+            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
+            if not rows:
+                break
             if step:
                 forward_rows = [
                     (reqs[i].seq_id, states[i].num_done + step - 1, guesses[i].unsqueeze(0), [out_ids[i][-1]])  # type: ignore[union-attr]
@@ -188,9 +215,15 @@ class EagleDrafter(PagedDrafter[_SeqState]):
                 for i, out in zip(rows, self._forward(forward_rows), strict=True):
                     guesses[i] = out[-1]
             logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
+            if walk is not None:
+                logits, rows = walk.mask(logits, rows, ended, self.head.vocab_subset)
             for i, (token, support) in zip(
                 rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step), strict=True
             ):
+                keep, draft_on = walk.advance(i, token) if walk is not None else (True, True)
+                ended[i] = not draft_on
+                if not keep:
+                    continue
                 out_ids[i].append(token)
                 if support is not None:
                     out_probs[i].append(support)
@@ -240,20 +273,26 @@ def make_eagle_drafter(
     enable_prefix_caching: bool = True,
     top_n: int = 64,
     device: str = "cpu",
+    grammar: GrammarCompiler | None = None,
 ) -> EagleDrafter:
     """The head from its folder, with the target's embedding and LM head [vocab, hidden] (only those tensors)."""
     from shared.model.eagle import build_head
 
     head, _ = build_head(head_dir, target_embedding, target_lm_head, device)
-    return drafter_for_head(head, num_blocks, block_size, enable_prefix_caching, top_n)
+    return drafter_for_head(head, num_blocks, block_size, enable_prefix_caching, top_n, grammar)
 
 
 def drafter_for_head(
-    head: EagleHead, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True, top_n: int = 64
+    head: EagleHead,
+    num_blocks: int,
+    block_size: int = 16,
+    enable_prefix_caching: bool = True,
+    top_n: int = 64,
+    grammar: GrammarCompiler | None = None,
 ) -> EagleDrafter:
     """A drafter with a fresh KV cache around a head already loaded (several engines can share one head)."""
     arch, weight = head.arch, head.fc_weight
     cache = KVCache(
         arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, weight.dtype, weight.device
     )
-    return EagleDrafter(head, cache, BlockManager(num_blocks, block_size, enable_prefix_caching), top_n)
+    return EagleDrafter(head, cache, BlockManager(num_blocks, block_size, enable_prefix_caching), top_n, grammar)

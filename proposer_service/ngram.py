@@ -3,15 +3,20 @@
 No model: it pays off when the output quotes its input (code edits, summaries with citations). An index
 from each n-gram to where it last ended is kept per sequence and extended as tokens are committed, so a
 lookup costs O(n) rather than a scan of the sequence.
+
+A sequence with a format (structured output) gets only the run's prefix its grammar allows
+(proposer_service/draft_grammar.py).
 """
 
 from __future__ import annotations
 
+from proposer_service.draft_grammar import DraftGrammar
 from shared.drafting import Draft, DraftRequest, SequenceHistory
+from shared.grammar import GrammarCompiler
 
 
 class NgramDrafter:
-    def __init__(self, max_ngram: int = 4, min_ngram: int = 1) -> None:
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1, grammar: GrammarCompiler | None = None) -> None:
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
         self.max_ngram = max_ngram
@@ -20,6 +25,7 @@ class NgramDrafter:
         # per sequence: n -> {ngram: end of its latest occurrence}, covering ends < indexed_len
         self.index: dict[str, dict[int, dict[tuple[int, ...], int]]] = {}
         self.indexed_len: dict[str, int] = {}
+        self.grammar = DraftGrammar(grammar)  # without a compiler, sequences with a format are not drafted
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         return [self._propose_one(req) for req in requests]
@@ -29,13 +35,18 @@ class NgramDrafter:
             self.history.release(seq_id)
             self.index.pop(seq_id, None)
             self.indexed_len.pop(seq_id, None)
+            self.grammar.release(seq_id)
 
     def _propose_one(self, req: DraftRequest) -> Draft:
         tokens = self.history.apply(req)
         if tokens is None:
             return Draft(req.seq_id, req.committed_len, [], needs_resync=True)
         self._extend_index(req.seq_id, tokens, rewritten_from=req.committed_len - len(req.new_token_ids))
-        return Draft(req.seq_id, req.committed_len, self.lookup(req.seq_id, tokens, req.k))
+        may_draft, matcher = self.grammar.update(req, tokens)
+        run = self.lookup(req.seq_id, tokens, req.k) if may_draft else []
+        if matcher is not None and run:
+            run = run[: matcher.num_valid(run)]
+        return Draft(req.seq_id, req.committed_len, run)
 
     def lookup(self, seq_id: str, tokens: list[int], k: int) -> list[int]:
         if k <= 0:

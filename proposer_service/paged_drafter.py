@@ -1,6 +1,6 @@
 """What the two model drafters (draft model, EAGLE head) share: per-sequence committed history and state over
-a paged KV cache of their own, release, eviction of idle sequences when blocks run out, and the drafter's
-own sampling stream."""
+a paged KV cache of their own, release, eviction of idle sequences when blocks run out, the drafter's own
+sampling stream, and each sequence's format (structured output)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Generic, TypeVar
 
 import torch
 
+from proposer_service.draft_grammar import DraftGrammar
 from shared.drafting import SequenceHistory, SparseProbs
+from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.sampling import SamplingParams
@@ -21,18 +23,22 @@ State = TypeVar("State")
 
 
 class PagedDrafter(Generic[State]):
-    def __init__(self, kv_cache: KVCache, block_manager: BlockManager, top_n: int) -> None:
+    def __init__(
+        self, kv_cache: KVCache, block_manager: BlockManager, top_n: int, grammar: GrammarCompiler | None = None
+    ) -> None:
         self.kv_cache = kv_cache
         self.blocks = block_manager
         self.top_n = top_n  # sampled drafts come from the top_n tokens, and exactly that distribution is sent
         self.history = SequenceHistory()
         self.states: dict[str, State] = {}
+        self.grammar = DraftGrammar(grammar)  # without a compiler, sequences with a format are not drafted
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             if seq_id in self.states:
                 self._drop_cache(seq_id)
             self.history.release(seq_id)
+            self.grammar.release(seq_id)
             self.states.pop(seq_id, None)
             self.blocks.free(seq_id)
 

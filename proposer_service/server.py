@@ -25,6 +25,7 @@ from shared.config import load_config
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
+from shared.grammar import GrammarCompiler
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
@@ -293,13 +294,39 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
+def load_grammar_compiler(
+    tokenizer_source: str, vocab_size: int, eos_token_ids: tuple[int, ...]
+) -> GrammarCompiler | None:
+    """The compiler of formats (structured output) over the drafter's token ids, or None (with a warning) when
+    no tokenizer can be loaded: sequences with a format are then not drafted."""
+    from shared.model.loader import load_tokenizer
+
+    started = time.monotonic()
+    try:
+        compiler = GrammarCompiler(load_tokenizer(tokenizer_source), vocab_size, eos_token_ids)
+    except Exception as err:  # any loader failure: serve on, without drafts under a format
+        log.warning("no tokenizer from %s (%s): sequences with a format are not drafted", tokenizer_source, err)
+        return None
+    log.info("format compiler ready tokenizer=%s seconds=%.1f", tokenizer_source, time.monotonic() - started)
+    return compiler
+
+
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     """Load the draft model (kind draft-model) or make an n-gram drafter."""
     if config.kind == "ngram":
         from proposer_service.ngram import NgramDrafter
+        from shared.model.build import read_arch
+        from shared.settings import default_target_model
 
         info = ProposerInfo("ngram", "", 0, "", config.max_k, 0)
-        return NgramDrafter(config.ngram_max, config.ngram_min), info
+        target = config.target_model or default_target_model()
+        try:
+            arch = read_arch(target)
+            grammar = load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
+        except Exception as err:
+            log.warning("no config from %s (%s): sequences with a format are not drafted", target, err)
+            grammar = None
+        return NgramDrafter(config.ngram_max, config.ngram_min, grammar), info
     if config.kind == "eagle":
         return build_eagle_drafter(config)
 
@@ -334,7 +361,8 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     else:
         runner = make_runner(model, arch, num_blocks, cache)
     blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-    drafter = DraftModelDrafter(runner, blocks, top_n=config.draft_top_n)
+    grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)
+    drafter = DraftModelDrafter(runner, blocks, top_n=config.draft_top_n, grammar=grammar)
     info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
     log.info(
         "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d tensor_parallel_size=%d "
@@ -374,6 +402,8 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         config.enable_prefix_caching,
         config.draft_top_n,
         resolve_device(config.device),
+        # The head drafts the target's token ids: the target's tokenizer names them.
+        load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
     )
     info = ProposerInfo(
         "eagle", head_dir, arch.vocab_size, tokenizer_fingerprint(target), config.max_k, max_model_len, arch.hidden_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import os
 import re
 import signal
@@ -21,10 +22,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from proposer_service.config import ProposerConfig
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.ngram import NgramDrafter
-from proposer_service.server import ProposerInfo, ProposerServer, pack_draft
+from proposer_service.server import ProposerInfo, ProposerServer, build_drafter, pack_draft
 from shared.config import load_config
 from shared.drafting import Draft, DraftRequest
-from shared.model.build import CacheConfig
+from shared.grammar import GrammarCompiler, StructuredOutput, allowed_tokens
+from shared.kv.block_manager import BlockManager
+from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
 from shared.proto_convert import sampling_params_to_proto
@@ -41,10 +44,10 @@ MAX_LEN = 256
 
 
 @functools.cache
-def tiny_llama(seed: int = 0) -> tuple[ModelArch, dict[str, torch.Tensor]]:
+def tiny_llama(seed: int = 0, vocab: int = VOCAB) -> tuple[ModelArch, dict[str, torch.Tensor]]:
     """A random-weight Llama in transformers' parameter names (no transformers import: it is slow here)."""
     arch = ModelArch(
-        vocab_size=VOCAB,
+        vocab_size=vocab,
         hidden_size=32,
         num_layers=2,
         num_heads=4,
@@ -63,9 +66,9 @@ def tiny_llama(seed: int = 0) -> tuple[ModelArch, dict[str, torch.Tensor]]:
 
     h, q, kv, f = arch.hidden_size, arch.q_size, arch.kv_size, arch.intermediate_size
     state = {
-        "model.embed_tokens.weight": rand(VOCAB, h),
+        "model.embed_tokens.weight": rand(vocab, h),
         "model.norm.weight": torch.ones(h),
-        "lm_head.weight": rand(VOCAB, h),
+        "lm_head.weight": rand(vocab, h),
     }
     for i in range(arch.num_layers):
         p = f"model.layers.{i}."
@@ -90,8 +93,15 @@ def make_drafter(seed: int = 0) -> DraftModelDrafter:
     return make_draft_model_drafter(build_model(arch, state), arch, sizing, CacheConfig(block_size=8), top_n=16)
 
 
-def draft_info(max_k: int = 8) -> ProposerInfo:
-    return ProposerInfo("draft-model", "tiny", VOCAB, "", max_k, MAX_LEN)
+def make_grammar_drafter(compiler: GrammarCompiler) -> DraftModelDrafter:
+    """The tiny draft over the real tokenizer's vocabulary, with the format compiler build_drafter gives it."""
+    arch, state = tiny_llama(0, compiler.vocab_size)
+    runner = make_runner(build_model(arch, state), arch, 64, CacheConfig(block_size=8))
+    return DraftModelDrafter(runner, BlockManager(64, 8), top_n=16, grammar=compiler)
+
+
+def draft_info(max_k: int = 8, vocab: int = VOCAB) -> ProposerInfo:
+    return ProposerInfo("draft-model", "tiny", vocab, "", max_k, MAX_LEN)
 
 
 def config(**kw) -> ProposerConfig:
@@ -263,6 +273,72 @@ def test_seeded_drafts_follow_the_draft_position_sent_on_the_wire():
         stream.call.cancel()
 
     run(with_proposer(body))
+
+
+def test_drafts_under_a_format_hold_only_tokens_it_allows(tokenizer):
+    compiler = GrammarCompiler(tokenizer, len(tokenizer), (2,))
+    schema = '{"type": "object", "properties": {"n": {"type": "integer"}, "s": {"type": "string"}}, "required": ["n"]}'
+    constrained = SamplingParams(temperature=0.9, structured_output=StructuredOutput("json_schema", schema))
+    prompt = [21350, 281, 20110, 42, 216]  # "Answer in JSON: "
+
+    async def body(server, channel):
+        stream = Stream(channel)
+        output: list[int] = []
+        drafted = sent = 0
+        for _ in range(6):
+            committed = prompt + output
+            sequences = [
+                proposer_pb2.ProposeSequence(
+                    seq_id=seq_id,
+                    committed_len=len(committed),
+                    new_token_ids=committed[sent:],
+                    full_sequence=sent == 0,
+                    k=4,
+                    sampling_params=sampling_params_to_proto(params),
+                    draft_position=len(output),
+                )
+                for seq_id, params in (("json", constrained), ("free", SamplingParams()))
+            ]
+            response = await stream.send(sequences)
+            sent = len(committed)
+            draft = unpack_draft(response.drafts[0], compiler.vocab_size)
+            assert len(response.drafts[1].draft_token_ids) == 4  # the unconstrained one beside it is drafted
+            matcher = compiler.matcher(constrained.structured_output)  # type: ignore[arg-type]
+            matcher.consume(output)
+            assert matcher.num_valid(draft.token_ids) == len(draft.token_ids)
+            if draft.token_ids:
+                assert draft.probs is not None
+                bitmask = compiler.new_bitmask(len(draft.token_ids) + 1)
+                matcher.fill_masks(draft.token_ids, bitmask)
+                allowed = allowed_tokens(bitmask, compiler.vocab_size)
+                for pos in range(len(draft.token_ids)):
+                    support = draft.probs.token_ids[pos][draft.probs.probs[pos] > 0]
+                    assert bool(allowed[pos, support].all())
+            drafted += len(draft.token_ids)
+            if any(t in compiler.eos_token_ids for t in draft.token_ids):
+                break
+            output += draft.token_ids  # all accepted, then the target's token: its first allowed one
+            matcher.consume(draft.token_ids)
+            bitmask = compiler.new_bitmask(1)
+            matcher.fill_masks([], bitmask)
+            nxt = int(allowed_tokens(bitmask, compiler.vocab_size)[0].nonzero()[0])
+            if nxt in compiler.eos_token_ids:
+                break
+            output.append(nxt)
+        assert drafted >= 6
+        stream.call.cancel()
+
+    run(with_proposer(body, make_grammar_drafter(compiler), draft_info(vocab=compiler.vocab_size)))
+
+
+def test_the_drafter_gets_a_format_compiler_from_the_target_tokenizer_or_none(tmp_path, caplog):
+    drafter, _ = build_drafter(config(kind="ngram"))
+    assert isinstance(drafter, NgramDrafter) and drafter.grammar.compiler is not None
+    assert drafter.grammar.compiler.vocab_size == 49152 and 2 in drafter.grammar.compiler.eos_token_ids
+    with caplog.at_level(logging.WARNING, logger="specdec.proposer"):
+        drafter, _ = build_drafter(config(kind="ngram", target_model=str(tmp_path / "missing")))
+    assert isinstance(drafter, NgramDrafter) and drafter.grammar.compiler is None
+    assert "sequences with a format are not drafted" in caplog.text
 
 
 def test_a_new_stream_starts_clean_and_a_closed_stream_frees_its_state():
