@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
 
     logs = config.out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    stack = build_stack("soak", logs, num_verifiers=2)
+    stack = build_stack("soak", logs, num_verifiers=2, verifier_args=("--warm-up",))  # as deployed
     print(f"soak: starting {len(stack.services)} processes (logs in {logs})", flush=True)
     stack.start()
     report = None

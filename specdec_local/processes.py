@@ -435,6 +435,7 @@ def build_stack(
                         HOST,
                         "--port",
                         str(verifier_port),
+                        "--no-warm-up",  # tests count every step and draft; the soak turns it back on
                         *verifier_args,
                         *tls_args("verifier"),
                     ],

@@ -59,6 +59,13 @@ class VerifierConfig(TLSConfig):
         },
     )
     max_waiting: int = field(default=256, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"})
+    warm_up: bool = field(
+        default=True,
+        metadata={
+            "help": "before serving, run one synthetic full batch (every slot, a full prefill, speculative steps) "
+            "so memory reaches its serving size at start and stays flat; --no-warm-up skips it"
+        },
+    )
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens of a request that sets none"})
     proposer_timeout_ms: int = field(
         default=2000,

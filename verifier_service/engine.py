@@ -8,6 +8,7 @@ The core has no gRPC in it; the service drives `step()` from a worker thread.
 from __future__ import annotations
 
 import itertools
+import random
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from verifier_service.sequence import FinishReason, Sequence
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
+WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
 @dataclass(frozen=True)
@@ -204,6 +206,29 @@ class Engine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def warm_up(self) -> None:
+        """Serve one synthetic full batch before any request, as vLLM's profile run does: every sequence slot, a
+        prefill as large as one step feeds, then speculative steps, greedy and sampled rows. The step's tensors
+        reach their serving size now, so resident memory does not climb later as load first fills the batch
+        (shared/malloc_tuning.py keeps that heap), and the first users pay no first-touch cost. The counters
+        start from zero afterwards."""
+        num_seqs = self.config.max_num_seqs
+        room = self.config.max_model_len - WARM_UP_TOKENS - self.config.num_speculative_tokens - 1
+        prompt_len = max(1, min(self.config.max_num_batched_tokens // num_seqs, room))
+        rng = random.Random(0)
+        for i in range(num_seqs):
+            params = SamplingParams(
+                temperature=0.0 if i % 2 else 1.0, top_p=0.9, max_tokens=WARM_UP_TOKENS, ignore_eos=True
+            )
+            prompt = [rng.randrange(self.runner.vocab_size) for _ in range(prompt_len)]
+            self.add_request(f"warm-up-{i}", prompt, params)
+        while self.has_unfinished():
+            self.step()
+        for counters in (self.stats, self.scheduler.prefix_cache):  # in place: telemetry holds these objects
+            for name in vars(counters):
+                setattr(counters, name, 0)
+        self.scheduler.num_preemptions = 0
 
     def _validate(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         vocab = self.runner.vocab_size

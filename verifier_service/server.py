@@ -396,6 +396,10 @@ class VerifierServer(ServiceRuntime):
         else:
             assert target is not None
             engine = build_engine(target, proposer, engine_config, cache)
+        if config.warm_up:
+            warm_start = time.monotonic()
+            await asyncio.to_thread(engine.warm_up)
+            log.info("warm-up batch served seconds=%.1f", time.monotonic() - warm_start)
         tokenizer = await tokenizer_task
         if tokenizer is not None:
             try:

@@ -36,7 +36,7 @@ from shared.telemetry import (
     observable_gauge,
     set_error,
 )
-from verifier_service.engine import Engine, RequestOutput
+from verifier_service.engine import Engine, MaskTiming, RequestOutput
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.scheduler import ScheduledSeq
 
@@ -219,13 +219,14 @@ class VerifierTelemetry:
         self.phase_seconds = meter.create_histogram(
             "specdec_step_phase_duration_seconds",
             unit="s",
-            description="engine step time by phase: propose, score, verify, and network (propose round trip "
-            "minus the proposer's own time)",
+            description="engine step time by phase: propose, score, verify, network (propose round trip "
+            "minus the proposer's own time), grammar_mask (structured output's masks, computed while the target "
+            "scores) and grammar_wait (how long verify waited for them)",
             explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
         )
         latency = RequestLatency.create(meter, "specdec_", "verifier")
         self.ttft, self.itl, self.e2e = latency.ttft, latency.itl, latency.e2e
-        self._phase_attrs = {p: {"phase": p} for p in (*PHASES, "network")}
+        self._phase_attrs = {p: {"phase": p} for p in (*PHASES, "network", "grammar_mask", "grammar_wait")}
 
     def _acceptance_by_position(self) -> Iterable[Observation]:
         for i, (drafted, accepted) in enumerate(zip(self.drafted_by_position, self.accepted_by_position, strict=True)):
@@ -351,6 +352,12 @@ class VerifierTelemetry:
         self.step_seconds.record(end - start)
         for phase, seconds in times.items():
             self.phase_seconds.record(seconds, self._phase_attrs[phase])
+        masks = self.engine.last_masks
+        if masks is not None and masks.start < start:
+            masks = None  # an earlier step's
+        if masks is not None:
+            self.phase_seconds.record(masks.end - masks.start, self._phase_attrs["grammar_mask"])
+            self.phase_seconds.record(masks.waited, self._phase_attrs["grammar_wait"])
         for out in outputs:
             for i in range(min(out.num_drafted, len(self.drafted_by_position))):
                 self.drafted_by_position[i] += 1
@@ -358,7 +365,7 @@ class VerifierTelemetry:
                     self.accepted_by_position[i] += 1
         step, self._step = self._step, None
         if step is not None:
-            self._finish_step_span(step, outputs, times, proposed, scored, verified, end)
+            self._finish_step_span(step, outputs, times, proposed, scored, verified, end, masks)
 
     def _finish_step_span(
         self,
@@ -369,6 +376,7 @@ class VerifierTelemetry:
         scored: float,
         verified: float,
         end: float,
+        masks: MaskTiming | None = None,
     ) -> None:
         ctx = trace.set_span_in_context(step.span)
         offset = self._offset_ns
@@ -384,6 +392,13 @@ class VerifierTelemetry:
             start_time=_ns(scored, offset),
             attributes={"specdec.accepted_tokens": num_accepted, "specdec.emitted_tokens": emitted},
         ).end(end_time=_ns(verified, offset))
+        if masks is not None:  # overlaps the score span: it ran in a worker thread meanwhile
+            self.tracer.start_span(
+                "grammar_mask",
+                context=ctx,
+                start_time=_ns(masks.start, offset),
+                attributes={"specdec.masked_positions": masks.rows, "specdec.wait_ms": masks.waited * 1000},
+            ).end(end_time=_ns(masks.end, offset))
         step.span.set_attributes(
             {
                 "specdec.step": self.engine.stats.steps,

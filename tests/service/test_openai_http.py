@@ -79,6 +79,7 @@ async def real_stack(target, tokenizer, **gateway_kw) -> AsyncIterator[Stack]:
             max_model_len=512,
             num_speculative_tokens=4,
             adaptive_k=False,
+            warm_up=False,
         ),
         target=target,
         model_name="smollm2",
@@ -310,7 +311,13 @@ def test_logprobs_of_a_request_resumed_on_another_verifier_are_the_targets(targe
         )
         verifiers = [
             await VerifierServer.start(
-                VerifierConfig(host="127.0.0.1", port=0, proposer=(f"127.0.0.1:{proposer.port}",), max_model_len=512),
+                VerifierConfig(
+                    host="127.0.0.1",
+                    port=0,
+                    proposer=(f"127.0.0.1:{proposer.port}",),
+                    max_model_len=512,
+                    warm_up=False,
+                ),
                 target=target,
                 model_name="smollm2",
             )

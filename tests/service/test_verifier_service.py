@@ -54,6 +54,7 @@ def vconfig(proposers=(), **kw) -> VerifierConfig:
     kw.setdefault("proposer_timeout_ms", 2000)
     kw.setdefault("proposer_reconnect_max_s", 0.3)
     kw.setdefault("adaptive_k", False)  # the draft here is as costly as the target: adaptive k would stop drafting
+    kw.setdefault("warm_up", False)  # the tests count every step, draft and proposer message
     return VerifierConfig(host="127.0.0.1", port=0, proposer=tuple(proposers), **kw)
 
 

@@ -67,10 +67,10 @@ def constrained(engine, compiler):
     return engine
 
 
-def hf_constrained_greedy(target_hf, compiler, prompt, fmt, max_tokens):
+def hf_constrained_greedy(hf_model, compiler, prompt, fmt, max_tokens):
     """The plain decoder: transformers' greedy generate with the grammar engine's logits processor."""
     processor = GrammarLogitsProcessor(compiler, [fmt], len(prompt))
-    out = target_hf.generate(
+    out = hf_model.generate(
         torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, pad_token_id=0, logits_processor=[processor]
     )
     return out[0, len(prompt) :].tolist()
@@ -143,12 +143,12 @@ def test_output_matches_each_format(target, weak_draft, compiler):  # noqa: F811
             assert re.fullmatch(r"[1-9][0-9]?([+-][1-9][0-9]?)*=", text), text
 
 
-def two_token_masked_law(target_hf, compiler, fmt, params, prompt):
+def two_token_masked_law(hf_model, compiler, fmt, params, prompt):
     """Exact laws of output tokens 1 and 2 under the format: masked logits, then the sampling transform."""
     bitmask = compiler.new_bitmask(1)
     matcher = compiler.matcher(fmt)
     with torch.no_grad():
-        logits = target_hf(torch.tensor([prompt])).logits[0, -1:].float()
+        logits = hf_model(torch.tensor([prompt])).logits[0, -1:].float()
         matcher.fill_masks([], bitmask)
         first = transformers_probs(logits.masked_fill(~allowed_tokens(bitmask, VOCAB), float("-inf")), params)[0]
         second = torch.zeros(VOCAB)
@@ -156,7 +156,7 @@ def two_token_masked_law(target_hf, compiler, fmt, params, prompt):
             matcher.consume([token])
             matcher.fill_masks([], bitmask)
             matcher.rollback(1)
-            logits = target_hf(torch.tensor([prompt + [token]])).logits[0, -1:].float()
+            logits = hf_model(torch.tensor([prompt + [token]])).logits[0, -1:].float()
             masked = logits.masked_fill(~allowed_tokens(bitmask, VOCAB), float("-inf"))
             second += first[token] * transformers_probs(masked, params)[0]
     return first, second
@@ -254,7 +254,9 @@ def test_bad_formats_are_refused_and_leave_other_requests_running(target, compil
             engine.add_request(rid, [3, 4, 5], SamplingParams(structured_output=fmt))
         assert rid not in engine.seqs
     with pytest.raises(InvalidRequestError, match="does not match"):  # a resume whose output breaks the format
-        engine.add_request("resume", [3, 4] + char_ids("zz"), SamplingParams(structured_output=FORMATS["regex"]), None, 2)
+        engine.add_request(
+            "resume", [3, 4] + char_ids("zz"), SamplingParams(structured_output=FORMATS["regex"]), None, 2
+        )
     outs = run_params(engine, {})
     assert list(outs) == ["good"]
 
