@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from proposer_service.draft_grammar import DraftGrammar
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.ngram import NgramDrafter
 from shared.drafting import Drafter
@@ -24,6 +25,15 @@ def make_draft_model_drafter(
     runner = make_runner(model, arch, num_blocks, cache)
     blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
     return DraftModelDrafter(runner, blocks, top_n=top_n)
+
+
+def enable_structured_output(engine: Engine, tokenizer) -> None:
+    """Formats on an in-process engine: the target's tokenizer for the verifier's masks, and the same compiler for
+    an in-process drafter's (same vocabulary), as a proposer service builds its own."""
+    engine.enable_structured_output(tokenizer)
+    grammar = getattr(engine.drafter, "grammar", None)
+    if isinstance(grammar, DraftGrammar):
+        grammar.compiler = engine.grammar
 
 
 def build_engine(

@@ -20,7 +20,7 @@ from shared.drafting import Drafter
 from shared.grammar import GrammarLogitsProcessor, StructuredOutput
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
-from specdec_local.builder import build_engine, make_draft_model_drafter
+from specdec_local.builder import build_engine, enable_structured_output, make_draft_model_drafter
 from tests.prompts import CHAT_PROMPTS
 from verifier_service.engine import Engine, EngineConfig
 
@@ -53,6 +53,7 @@ CASES = [(fmt, q) for fmt, qs in QUESTIONS.items() for q in qs]  # 6 constrained
 
 @pytest.fixture(scope="module")
 def grammar(tokenizer, target):
+    """The compiler the reference's logits processor uses (the engine builds its own the same way)."""
     from shared.grammar import GrammarCompiler
 
     arch = target[1]
@@ -81,7 +82,7 @@ def constrained_cases(tokenizer, hf_target, grammar):
     return cases
 
 
-def make(target, draft, grammar, kind: str, k: int, max_num_seqs: int) -> Engine:
+def make(target, draft, tokenizer, kind: str, k: int, max_num_seqs: int) -> Engine:
     config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=1024, adaptive_k=False)
     drafter: Drafter | None = None
     if kind == "ngram":
@@ -89,7 +90,7 @@ def make(target, draft, grammar, kind: str, k: int, max_num_seqs: int) -> Engine
     elif kind == "draft":
         drafter = make_draft_model_drafter(*draft, config, CacheConfig())
     engine = build_engine(target, drafter, config, CacheConfig(block_size=16))
-    engine.grammar = grammar
+    enable_structured_output(engine, tokenizer)  # the verifier's masks and the drafter's
     return engine
 
 
@@ -119,18 +120,20 @@ def batch1_assignment() -> list[tuple[str, int, list[int]]]:
 
 
 @pytest.mark.parametrize(("kind", "k", "cases"), batch1_assignment())
-def test_batch_1(target, draft, grammar, constrained_cases, kind, k, cases):
-    engine = make(target, draft, grammar, kind, k, max_num_seqs=1)
+def test_batch_1(target, draft, tokenizer, constrained_cases, kind, k, cases):
+    engine = make(target, draft, tokenizer, kind, k, max_num_seqs=1)
     for c in cases:
         prompt, fmt, ref = constrained_cases[c]
         outs = run(engine, {"r": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))})
         assert outs["r"] == ref, f"{kind} k={k} case {CASES[c]}"
+    if kind != "none":
+        assert engine.stats.drafted_tokens > 0  # constrained requests were drafted for
 
 
 @pytest.mark.parametrize(("kind", "k"), BATCH8)
-def test_mixed_batch_of_8(target, draft, grammar, tokenizer, constrained_cases, prompts, greedy_references, kind, k):
+def test_mixed_batch_of_8(target, draft, tokenizer, constrained_cases, prompts, greedy_references, kind, k):
     """6 constrained requests (3 formats) and 2 free ones in one batch of 8."""
-    engine = make(target, draft, grammar, kind, k, max_num_seqs=8)
+    engine = make(target, draft, tokenizer, kind, k, max_num_seqs=8)
     requests = {
         f"c{i}": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))
         for i, (prompt, fmt, _) in enumerate(constrained_cases)
@@ -170,11 +173,8 @@ SCHEMAS = [  # bounded: at T = 1 an unbounded number or an open object could run
 def test_200_sampled_outputs_validate_against_their_schema(target, draft, tokenizer):
     """T = 1, seeded, n-gram drafter at k = 3 (JSON repeats its keys): every one of 200 outputs is complete JSON
     valid under its schema."""
-    from shared.grammar import GrammarCompiler
-
     arch = target[1]
-    grammar = GrammarCompiler(tokenizer, arch.vocab_size, arch.eos_token_ids)
-    engine = make(target, draft, grammar, "ngram", 3, max_num_seqs=64)
+    engine = make(target, draft, tokenizer, "ngram", 3, max_num_seqs=64)
     questions = [q for qs in QUESTIONS.values() for q in qs] + CHAT_PROMPTS[:4]
     requests = {}
     for i in range(200):

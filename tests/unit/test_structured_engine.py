@@ -8,6 +8,7 @@ every one of them (drafts masked on the proposer are tested with the proposer)."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import llguidance
 import pytest
@@ -62,9 +63,32 @@ FORMATS = {
 }
 
 
-def constrained(engine, compiler):
+def constrained(engine, compiler, drafts: str = "masked"):
+    """The engine (and its drafter) with the tiny tokenizer's compiler. drafts: "masked" (a proposer that
+    knows the format) or "unaware" (an old proposer: it drafts from the unmasked distribution, so its drafts
+    are often forbidden and the verifier must reject them)."""
     engine.grammar = compiler  # the tokenizer the tiny model would have
+    if drafts == "masked" and hasattr(engine.drafter, "grammar"):
+        engine.drafter.grammar.compiler = compiler
+    elif drafts == "unaware" and engine.drafter is not None:
+        engine.drafter = _Unaware(engine.drafter)
     return engine
+
+
+class _Unaware:
+    """A drafter that never sees the format."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def propose(self, requests):
+        return self.inner.propose([replace(r, params=replace(r.params, structured_output=None)) for r in requests])
+
+    def release(self, seq_ids):
+        self.inner.release(seq_ids)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
 
 
 def hf_constrained_greedy(hf_model, compiler, prompt, fmt, max_tokens):
@@ -89,7 +113,7 @@ def run_params(engine, requests: dict[str, tuple[list[int], SamplingParams]]) ->
     return outs
 
 
-@pytest.mark.parametrize("drafter", [None, "same", "weak", "ngram"])
+@pytest.mark.parametrize("drafter", [None, "same", "weak", "weak-unaware", "ngram"])
 @pytest.mark.parametrize(("k", "max_num_seqs"), [(1, 1), (3, 8), (5, 8)])
 def test_greedy_equals_transformers_with_the_same_processor(
     target_hf,  # noqa: F811
@@ -101,8 +125,9 @@ def test_greedy_equals_transformers_with_the_same_processor(
     max_num_seqs,
 ):
     """Each format on two prompts, plus free requests in the same batch (greedy, unconstrained: plain output)."""
-    d = {"weak": weak_draft, "ngram": NgramDrafter()}.get(drafter, drafter)
-    engine = constrained(engine_with(target, d, k=k, max_num_seqs=max_num_seqs), compiler)
+    d = {"weak": weak_draft, "weak-unaware": weak_draft, "ngram": NgramDrafter()}.get(drafter, drafter)
+    drafts = "unaware" if drafter == "weak-unaware" else "masked"
+    engine = constrained(engine_with(target, d, k=k, max_num_seqs=max_num_seqs), compiler, drafts)
     ps = prompts(8, seed=11)
     requests, refs = {}, {}
     for i, p in enumerate(ps):
@@ -178,16 +203,22 @@ LAW_FORMAT = StructuredOutput("regex", "(a[b-e]|f[g-m]|[n-s][t-z])")
 LAW_PROMPT = [5, 17, 33]
 
 
-@pytest.mark.parametrize("mask_drafts", [True, False], ids=["masked", "negative-control-drafts-unmasked"])
-def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, mask_drafts):  # noqa: F811
-    """Rejection sampling with unmasked (mostly forbidden) sampled drafts must still give the masked target law
-    at output positions 1 and 2 (the second from a speculative step). The negative control masks only each row's
-    last scored position, so drafted tokens are judged against the unmasked target: it must fail."""
+@pytest.mark.parametrize(
+    ("drafts", "mask_drafts"),
+    [("masked", True), ("unaware", True), ("unaware", False)],
+    ids=["masked-drafts", "unaware-drafts", "negative-control-drafts-judged-unmasked"],
+)
+def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, drafts, mask_drafts):  # noqa: F811
+    """Rejection sampling must give the masked target law at output positions 1 and 2 (the second from a
+    speculative step) with drafts sampled from the masked draft distribution, and with drafts from a proposer
+    unaware of the format (mostly forbidden). The negative control masks only each row's last scored position,
+    so drafted tokens are judged against the unmasked target: it must fail."""
     params = SamplingParams(temperature=2.0, max_tokens=3, structured_output=LAW_FORMAT)
     first, second = two_token_masked_law(target_hf, compiler, LAW_FORMAT, params, LAW_PROMPT)
     assert int((first > 0.02).sum()) >= 4 and int((second > 0.02).sum()) >= 4  # several valid continuations
-    engine = constrained(engine_with(target, weak_draft, k=3, max_num_seqs=64, max_waiting=5000), compiler)
+    engine = engine_with(target, weak_draft, k=3, max_num_seqs=64, max_waiting=5000)
     engine.drafter.top_n = 16
+    engine = constrained(engine, compiler, drafts)
     if not mask_drafts:
         compute = engine._compute_masks
 
@@ -201,6 +232,8 @@ def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, mask
     n = 3000 if mask_drafts else 600  # the control fails by far: forbidden tokens are emitted
     counts = first_two_counts(engine, n, params, LAW_PROMPT)
     assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens > 0
+    if drafts == "unaware":
+        assert engine.stats.accepted_tokens < engine.stats.drafted_tokens / 2  # forbidden drafts were rejected
     if mask_drafts:
         for observed, law in ((counts[0], first), (counts[1], second)):
             assert law_pvalue(observed, law, n) > 1e-4
