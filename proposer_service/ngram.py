@@ -5,7 +5,8 @@ from each n-gram to where it last ended is kept per sequence and extended as tok
 lookup costs O(n) rather than a scan of the sequence.
 
 A sequence with a format (structured output) gets only the run's prefix its grammar allows
-(proposer_service/draft_grammar.py).
+(proposer_service/draft_grammar.py), then the tokens the format forces after it (JSON keys and punctuation),
+up to k.
 """
 
 from __future__ import annotations
@@ -44,8 +45,10 @@ class NgramDrafter:
         self._extend_index(req.seq_id, tokens, rewritten_from=req.committed_len - len(req.new_token_ids))
         may_draft, matcher = self.grammar.update(req, tokens)
         run = self.lookup(req.seq_id, tokens, req.k) if may_draft else []
-        if matcher is not None and run:
+        if matcher is not None and req.k > 0:
             run = run[: matcher.num_valid(run)]
+            if len(run) < req.k:  # what the format forces next (keys, punctuation) is accepted for sure
+                run += matcher.forced_after(run)[: req.k - len(run)]
         return Draft(req.seq_id, req.committed_len, run)
 
     def lookup(self, seq_id: str, tokens: list[int], k: int) -> list[int]:

@@ -159,6 +159,20 @@ class GrammarMatcher:
         """Nothing but EOS may follow (the format is complete)."""
         return self._matcher.is_stopped()
 
+    def forced_after(self, prefix: list[int]) -> list[int]:
+        """The tokens the format forces after `prefix` (valid, no EOS), e.g. a JSON key and its quotes: the only
+        ones the mask will allow there, so a drafter may propose them for free. State unchanged."""
+        if any(t in self.compiler.eos_token_ids for t in prefix):
+            return []
+        if prefix:
+            if self._matcher.validate_tokens(prefix) != len(prefix):
+                return []
+            self._matcher.consume_tokens(prefix)
+        forced = list(self._matcher.compute_ff_tokens())
+        if prefix:
+            self._matcher.rollback(len(prefix))
+        return forced
+
     def num_valid(self, draft_ids: list[int]) -> int:
         """How many leading draft tokens the grammar allows (state unchanged); an EOS counts where the grammar
         may end, and nothing after it does."""

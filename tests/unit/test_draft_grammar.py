@@ -5,6 +5,7 @@ vocabulary: random drafts almost never follow a format, so a drafter that does n
 
 from __future__ import annotations
 
+import json
 import logging
 import random
 from dataclasses import replace
@@ -391,3 +392,30 @@ def test_a_prompt_ingested_in_chunks_is_not_read_as_output(draft_model, compiler
         (draft,) = drafter.propose([DraftRequest("c", len(tokens), tokens[8:], K, params, draft_position=2)])
     assert caplog.text == ""
     assert draft.token_ids and matcher_allows(compiler, REGEX.spec, earlier_output, draft.token_ids)
+
+
+def test_ngram_adds_what_the_format_forces_after_its_run(compiler, tokenizer):
+    """No earlier occurrence to copy: the draft is the tokens the format forces (a JSON key with its quotes),
+    exactly what a fresh matcher's mask allows one by one; after a copied value, the next key follows it."""
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(structured_output=StructuredOutput("json_schema", json.dumps(schema)))
+    prompt = list(tokenizer("Bob is 12.").input_ids)
+    drafter = NgramDrafter(grammar=compiler)
+    (draft,) = drafter.propose([DraftRequest("s", len(prompt), prompt, 8, params, draft_position=0)])
+    assert tokenizer.decode(draft.token_ids) == '{"name":'
+    matcher = compiler.matcher(params.structured_output)
+    bitmask = compiler.new_bitmask(1)
+    for token in draft.token_ids:  # each is the only token the mask allows
+        matcher.fill_masks([], bitmask)
+        assert allowed_tokens(bitmask, compiler.vocab_size)[0].nonzero().flatten().tolist() == [token]
+        matcher.consume([token])
+    output = list(tokenizer('{"name": "Bob"').input_ids)
+    (draft,) = drafter.propose(
+        [DraftRequest("s", len(prompt) + len(output), output, 8, params, draft_position=len(output))]
+    )
+    assert tokenizer.decode(draft.token_ids).startswith(', "age":')
