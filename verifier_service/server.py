@@ -342,8 +342,6 @@ class VerifierServer(ServiceRuntime):
         dtype = resolve_dtype(config.dtype, device, name)
         log.info("target dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
         started = time.monotonic()
-        # The tokenizer (for structured output) loads while the weights do.
-        tokenizer_task = asyncio.create_task(asyncio.to_thread(_load_tokenizer, name))
         if tp_size > 1:
             if target is not None:
                 raise ValueError("at --tensor-parallel-size > 1 every rank loads the target itself: pass no model")
@@ -400,7 +398,8 @@ class VerifierServer(ServiceRuntime):
             warm_start = time.monotonic()
             await asyncio.to_thread(engine.warm_up)
             log.info("warm-up batch served seconds=%.1f", time.monotonic() - warm_start)
-        tokenizer = await tokenizer_task
+        # After the weights, not beside them: two threads importing transformers' lazy modules at once can fail.
+        tokenizer = await asyncio.to_thread(_load_tokenizer, name)
         if tokenizer is not None:
             try:
                 await asyncio.to_thread(engine.enable_structured_output, tokenizer)

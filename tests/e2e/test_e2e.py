@@ -279,6 +279,55 @@ def test_openai_client_over_http_matches_transformers(e2e_stack: Stack, greedy_r
     assert usage.completion_tokens == len(ref) and (usage.model_extra or {})["drafted_tokens"] > 0
 
 
+def test_json_schema_over_http_matches_transformers_with_the_grammar(e2e_stack: Stack, hf_target, tokenizer):
+    """Structured output through the three processes: the openai client's `response_format` json_schema, greedy,
+    equals transformers' greedy generation of the templated prompt with the same grammar engine's logits
+    processor, the text validates against the schema, and the draft model drafted for it (its proposer masks
+    its drafts with the format)."""
+    import json
+
+    import jsonschema
+    import openai
+    import torch
+
+    from shared.grammar import GrammarCompiler, GrammarLogitsProcessor, StructuredOutput
+    from tests.integration.test_structured_exactness import PERSON
+    from tests.prompts import _ids
+
+    question = "Describe a famous scientist as JSON."
+    max_tokens = 48
+
+    async def run() -> Any:
+        base_url = f"http://127.0.0.1:{e2e_stack.http_port}/v1"
+        client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=RPC_TIMEOUT_S)
+        return await client.chat.completions.create(
+            model=(await client.models.list()).data[0].id,
+            messages=[{"role": "user", "content": question}],
+            max_tokens=max_tokens,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}},
+        )
+
+    reply = asyncio.run(run())
+    prompt = _ids(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": question}], add_generation_prompt=True, tokenize=True
+        )
+    )
+    compiler = GrammarCompiler(tokenizer, hf_target.config.vocab_size, (tokenizer.eos_token_id,))
+    processor = GrammarLogitsProcessor(compiler, [StructuredOutput("json_schema", json.dumps(PERSON))], len(prompt))
+    with torch.no_grad():
+        out = hf_target.generate(
+            torch.tensor([prompt]), max_new_tokens=max_tokens, do_sample=False, logits_processor=[processor]
+        )
+    reference = tokenizer.decode(out[0, len(prompt) :], skip_special_tokens=True)
+    text = reply.choices[0].message.content
+    assert text == reference
+    jsonschema.validate(json.loads(text), PERSON)
+    assert reply.choices[0].finish_reason == "stop"
+    assert (reply.usage.model_extra or {})["drafted_tokens"] > 0
+
+
 # ---- 2. many concurrent clients, mixed parameters --------------------------------------------------------
 
 

@@ -8,6 +8,7 @@ every one of them (drafts masked on the proposer are tested with the proposer)."
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import replace
 
 import llguidance
@@ -298,3 +299,44 @@ def test_without_a_tokenizer_a_format_is_refused(target):  # noqa: F811
     engine = engine_with(target, None, k=1)
     with pytest.raises(InvalidRequestError, match="tokenizer"):
         engine.add_request("r", [1, 2], SamplingParams(structured_output=FORMATS["regex"]))
+
+
+def test_masks_are_a_span_of_the_step_and_a_phase_metric(target, weak_draft, compiler, monkeypatch):  # noqa: F811
+    """Steps with a constrained request get a `grammar_mask` span under `engine.step` (overlapping `score`) and
+    `grammar_mask` / `grammar_wait` observations of the phase histogram; steps without one get neither."""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from shared.telemetry import setup_telemetry
+    from verifier_service.telemetry import VerifierTelemetry
+
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
+    spans, reader = InMemorySpanExporter(), InMemoryMetricReader()
+    telemetry = setup_telemetry(
+        "specdec-verifier", span_processors=[SimpleSpanProcessor(spans)], metric_readers=[reader]
+    )
+    engine = constrained(engine_with(target, weak_draft, k=3, max_num_seqs=4), compiler)
+    VerifierTelemetry(telemetry, engine, None, None)
+    run_params(engine, {"free": ([3, 4, 5], SamplingParams(max_tokens=6, ignore_eos=True))})
+    free_steps = engine.stats.steps
+    assert not [s for s in spans.get_finished_spans() if s.name == "grammar_mask"]
+    run_params(engine, {"json": ([3, 4, 5], SamplingParams(max_tokens=30, structured_output=FORMATS["json_schema"]))})
+    finished = spans.get_finished_spans()
+    steps = {s.context.span_id: s for s in finished if s.name == "engine.step"}
+    masks = [s for s in finished if s.name == "grammar_mask"]
+    assert len(masks) == engine.stats.steps - free_steps  # every step of the constrained request, no other
+    for span in masks:
+        step = steps[span.parent.span_id]
+        assert step.start_time <= span.start_time <= span.end_time <= step.end_time
+        assert span.attributes["specdec.masked_positions"] >= 1
+    counts = {}
+    for rm in reader.get_metrics_data().resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                if metric.name == "specdec_step_phase_duration_seconds":
+                    for point in metric.data.data_points:
+                        counts[point.attributes["phase"]] = point.count
+    assert counts["grammar_mask"] == counts["grammar_wait"] == len(masks)
+    assert counts["verify"] == engine.stats.steps
