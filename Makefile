@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.gateway_bench
 	$(PY) -m specdec_bench.secure_bench
 	$(PY) -m specdec_bench.hotpath_bench
+	$(PY) -m specdec_bench.structured_bench
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench
@@ -86,6 +87,7 @@ bench-prefix: $(STAMP)
 .PHONY: bench-hotpath
 bench-hotpath: $(STAMP)
 	$(PY) -m specdec_bench.hotpath_bench
+	$(PY) -m specdec_bench.structured_bench
 
 # Train the EAGLE draft head for the default target into models/smollm2-135m-eagle (about 60 minutes on
 # 2 cores; resumable). TRAIN_ARGS passes more flags, e.g. TRAIN_ARGS="--quick --out /tmp/head".

@@ -35,6 +35,10 @@ from shared.sampling import logits_to_probs, params_to_tensors
 from shared.seeded import seeded_tokens
 
 CATCH_UP_CHUNK = 512
+# Tokens fed per catch-up forward, all sequences together (the verifier's max_num_batched_tokens): a proposer
+# that has just restarted, or a verifier that restarted and resends every sequence whole, would otherwise feed
+# 16 x 512 tokens at once; the process's memory would then grow to that step's size at some random later time.
+CATCH_UP_TOKENS = 2048
 
 
 @dataclass
@@ -122,7 +126,8 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         reqs = [req for req, _ in active]
         states = [self.states[req.seq_id] for req in reqs]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
-        self._feed_in_chunks(reqs, states, feeds, keep=CATCH_UP_CHUNK)
+        # The first draft position also catches up on what is left: at most CATCH_UP_TOKENS over the batch.
+        self._feed_in_chunks(reqs, states, feeds, keep=max(1, min(CATCH_UP_CHUNK, CATCH_UP_TOKENS // len(reqs))))
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
         ended = [False] * len(reqs)  # the format ended the draft early
@@ -165,15 +170,19 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
     def _feed_in_chunks(
         self, reqs: list[DraftRequest], states: list[_SeqState], feeds: list[list[int]], keep: int
     ) -> None:
-        """Feed all but the last `keep` tokens of each feed, at most CATCH_UP_CHUNK per forward (no logits);
-        `feeds` keep the rest."""
+        """Feed all but the last `keep` tokens of each feed, at most CATCH_UP_CHUNK per sequence and
+        CATCH_UP_TOKENS in all per forward (no logits); `feeds` keep the rest."""
         while True:
             rows = [i for i, feed in enumerate(feeds) if len(feed) > keep]
             if not rows:
                 return
             items = []
+            budget = CATCH_UP_TOKENS
             for i in rows:
-                n = min(CATCH_UP_CHUNK, len(feeds[i]) - keep)
+                n = min(CATCH_UP_CHUNK, len(feeds[i]) - keep, budget)
+                if n <= 0:
+                    break  # the next forward feeds the others
+                budget -= n
                 chunk, feeds[i] = feeds[i][:n], feeds[i][n:]
                 items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), chunk, 0))
                 states[i].cached.extend(chunk)

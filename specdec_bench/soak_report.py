@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -10,6 +11,9 @@ from typing import Any
 
 import numpy as np
 
+# A process's memory level at a moment: the median of its samples over this many seconds. One sample taken
+# while a step's activations are allocated reads tens of MiB above the level (a 2 s interval catches some).
+RSS_LEVEL_S = 10.0
 MIN_RSS_WINDOW_S = 20.0  # a process instance whose life after warm-up is shorter is reported, not checked
 
 
@@ -134,7 +138,8 @@ def _latencies(records: list[Record]) -> tuple[list[float], list[tuple[float, fl
 
 
 def _rss_rows(rss: dict[str, list], events: list[dict[str, Any]], warmup: float, end_s: float) -> list[dict[str, Any]]:
-    """Per process instance: RSS once warm (warmup x its serving window in), and at its last sample."""
+    """Per process instance: the RSS level once warm (warmup x its serving window in) and at its end (medians
+    over RSS_LEVEL_S at each end)."""
     ready = {}  # (service, n-th restart) -> time it was serving again
     restarts: Counter = Counter()
     for e in events:
@@ -150,7 +155,8 @@ def _rss_rows(rss: dict[str, list], events: list[dict[str, Any]], warmup: float,
             to = mine[-1][0]
             warm_at = start + warmup * max(0.0, to - start)
             after = [(t, b) for t, b in mine if t >= warm_at] or mine[-1:]
-            base, final = after[0][1], mine[-1][1]
+            base = statistics.median(b for t, b in after if t <= after[0][0] + RSS_LEVEL_S)
+            final = statistics.median(b for t, b in mine if t >= to - RSS_LEVEL_S)
             window = to - warm_at
             rows.append(
                 dict(

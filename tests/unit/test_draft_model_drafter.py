@@ -112,3 +112,27 @@ def test_a_long_catch_up_runs_in_chunks_and_drafts_the_same(draft_hf, monkeypatc
     assert len(forwards) > 3
     for draft in drafts:
         assert draft.token_ids == hf_greedy(draft_hf, seqs[draft.seq_id], 3, eos=False)
+
+
+def test_a_catch_up_of_many_sequences_feeds_a_bounded_number_of_tokens_per_forward(draft_hf, monkeypatch):
+    """Many sequences resent whole at once (a restarted verifier): no forward feeds more than CATCH_UP_TOKENS
+    (plus one drafted token per sequence), and the drafts are the same."""
+    import proposer_service.draft_model as draft_model
+
+    rng = random.Random(6)
+    seqs = {f"s{i}": [rng.randrange(1, 90) for _ in range(30)] for i in range(6)}
+    monkeypatch.setattr(draft_model, "CATCH_UP_TOKENS", 40)
+    drafter = new_drafter(draft_hf)
+    forwards: list[int] = []
+    forward = drafter.runner.forward
+
+    def recording(items):
+        forwards.append(sum(len(item.token_ids) for item in items))
+        return forward(items)
+
+    drafter.runner.forward = recording  # type: ignore[method-assign]
+    drafts = drafter.propose([DraftRequest(s, len(t), t, 3) for s, t in seqs.items()])
+    assert max(forwards) <= 40 + len(seqs)
+    assert sum(forwards) >= 6 * 30
+    for draft in drafts:
+        assert draft.token_ids == hf_greedy(draft_hf, seqs[draft.seq_id], 3, eos=False)
