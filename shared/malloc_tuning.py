@@ -10,6 +10,12 @@ glibc's defaults and 6 ms with these settings, the whole step 156 ms and 133 ms;
 such memory in the heap for reuse: the process keeps its peak heap, which for a server that
 preallocates its KV cache is what it holds anyway.
 
+One heap, not one per thread: glibc gives threads that allocate at the same time their own arenas, and each
+arena keeps its own peak. The services step their engines in thread-pool workers (asyncio.to_thread), so
+over hours more workers took turns, each arena grew to a step's size, and resident memory climbed by a step's
+worth at a time (the 10-minute soak saw +8% in a verifier and a proposer, docs/RELIABILITY.md). With
+M_ARENA_MAX = 1 the process keeps one peak.
+
 Set SPECDEC_MALLOC_TUNING=0 to leave glibc's defaults (e.g. when preloading jemalloc or tcmalloc).
 """
 
@@ -24,6 +30,7 @@ log = logging.getLogger("specdec.malloc")
 
 M_TRIM_THRESHOLD = -1  # glibc <malloc.h>
 M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 32 * 1024 * 1024  # glibc's upper limit on 64-bit: chunks up to it come from the heap
 TRIM_THRESHOLD_BYTES = 1024 * 1024 * 1024  # free heap top kept before any is returned to the kernel
 
@@ -38,7 +45,11 @@ def tune_malloc() -> bool:
         mallopt = libc.mallopt
     except (OSError, AttributeError, TypeError):  # not glibc (musl, macOS): nothing to tune
         return False
-    ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1 and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    ok = (
+        mallopt(M_ARENA_MAX, 1) == 1
+        and mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+        and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES) == 1
+    )
     if not ok:
         log.warning("mallopt refused the thresholds; glibc's defaults stay in effect")
     return ok

@@ -52,3 +52,33 @@ print(held.hblkhd - before.hblkhd, held.arena - before.arena, held.arena - freed
     assert mmapped == 0 and grown >= 15 << 20 and trimmed == 0, result  # from the heap, and kept after free
     mmapped, grown, trimmed = result["off"]
     assert mmapped >= 16 << 20 and grown < 1 << 20, result  # glibc's default: mmap'd, unmapped on free
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+def test_threads_that_allocate_at_once_share_one_heap():
+    # Four threads allocate at the same moment; glibc's malloc_stats() lists one "Arena N:" per arena.
+    script = """
+import ctypes, sys, threading
+from shared.malloc_tuning import tune_malloc
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+if sys.argv[1] == "on":
+    assert tune_malloc()
+barrier = threading.Barrier(4)
+def work():
+    barrier.wait()
+    blocks = [libc.malloc(1 << 16) for _ in range(64)]
+    barrier.wait()
+threads = [threading.Thread(target=work) for _ in range(4)]
+for t in threads: t.start()
+for t in threads: t.join()
+libc.malloc_stats()
+"""
+    arenas = {}
+    for mode in ("on", "off"):
+        env = {"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+        out = subprocess.run(
+            [sys.executable, "-c", script, mode], capture_output=True, text=True, env=env, check=True, cwd=ROOT
+        )
+        arenas[mode] = out.stderr.count("Arena ")
+    assert arenas["on"] == 1 and arenas["off"] > 1, arenas
