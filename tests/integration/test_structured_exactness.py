@@ -22,6 +22,7 @@ from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, enable_structured_output, make_draft_model_drafter
 from tests.prompts import CHAT_PROMPTS
+from tests.unit.test_structured_engine import run_params
 from verifier_service.engine import Engine, EngineConfig
 
 pytestmark = pytest.mark.slow
@@ -94,19 +95,6 @@ def make(target, draft, tokenizer, kind: str, k: int, max_num_seqs: int) -> Engi
     return engine
 
 
-def run(engine: Engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
-    for rid, (prompt, params) in requests.items():
-        engine.add_request(rid, prompt, params)
-    outs = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                assert out.error is None, out.error
-                outs[out.request_id] = out.output_ids
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks, "blocks leaked"
-    return outs
-
-
 COMBOS = [("none", 0)] + [(kind, k) for kind in ("ngram", "draft") for k in (1, 3, 5)]
 BATCH8 = COMBOS if FULL_MATRIX else [("ngram", 3), ("draft", 3)]
 
@@ -124,7 +112,7 @@ def test_batch_1(target, draft, tokenizer, constrained_cases, kind, k, cases):
     engine = make(target, draft, tokenizer, kind, k, max_num_seqs=1)
     for c in cases:
         prompt, fmt, ref = constrained_cases[c]
-        outs = run(engine, {"r": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))})
+        outs = run_params(engine, {"r": (prompt, SamplingParams(max_tokens=MAX_TOKENS, structured_output=fmt))})
         assert outs["r"] == ref, f"{kind} k={k} case {CASES[c]}"
     if kind != "none":
         assert engine.stats.drafted_tokens > 0  # constrained requests were drafted for
@@ -139,7 +127,7 @@ def test_mixed_batch_of_8(target, draft, tokenizer, constrained_cases, prompts, 
         for i, (prompt, fmt, _) in enumerate(constrained_cases)
     }
     requests.update({f"free{i}": (prompts[i], SamplingParams(max_tokens=MAX_TOKENS)) for i in (0, 1)})
-    outs = run(engine, requests)
+    outs = run_params(engine, requests)
     for i, (_, _, ref) in enumerate(constrained_cases):
         assert outs[f"c{i}"] == ref, f"{kind} k={k} batch 8, case {CASES[i]}"
     for i in (0, 1):
@@ -186,7 +174,7 @@ def test_200_sampled_outputs_validate_against_their_schema(target, draft, tokeni
             structured_output=StructuredOutput("json_schema", json.dumps(schema)),
         )
         requests[str(i)] = (chat(tokenizer, questions[i % len(questions)]), params)
-    outs = run(engine, requests)
+    outs = run_params(engine, requests)
     assert len(outs) == 200
     eos = set(arch.eos_token_ids)
     for i, ids in outs.items():

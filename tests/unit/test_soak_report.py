@@ -21,9 +21,11 @@ def _events() -> list[dict]:
     return [dict(at_s=5.0, what="kill", service="s-verifier-a"), dict(at_s=9.0, what="ready", service="s-verifier-a")]
 
 
-def _report(records=None, rss_end=100, final=None, problems=()):
+def _report(records=None, rss_end=100, final=None, problems=(), rss_mib=None):
+    """`rss_mib`: the gateway's (time, MiB) samples; by default 100 MiB until 50 s, then `rss_end`."""
     mib = 2**20
-    rss = {"s-gateway": [(t, 42, (100 if t < 50 else rss_end) * mib) for t in range(0, 60, 2)]}
+    samples = rss_mib or [(t, 100 if t < 50 else rss_end) for t in range(0, 60, 2)]
+    rss = {"s-gateway": [(t, 42, v * mib) for t, v in samples]}
     return build_report(
         config=dict(clients=2, duration_s=60.0),
         records=records if records is not None else _records(),
@@ -92,28 +94,7 @@ def test_outputs_are_compared_with_the_reference():
 
 def test_memory_growth_is_of_the_level_not_of_one_sample():
     """A last sample taken mid-step (20% above the level) is no growth; the level rising 6% for the last 10 s is."""
-    mib = 2**20
-
-    def report(samples):
-        return build_report(
-            config=dict(clients=2, duration_s=60.0),
-            records=_records(),
-            events=_events(),
-            rss={"s-gateway": [(t, 42, v * mib) for t, v in samples]},
-            final_state={
-                "s-verifier-a": dict(running=0, waiting=0, kv_free=10, kv_total=10),
-                "s-gateway": dict(active=0, total=18, resumed=2),
-            },
-            problems=[],
-            reference_s=1.0,
-            load_s=60.0,
-            num_specs=4,
-            warmup_fraction=0.3,
-            rss_growth_limit=0.05,
-            duration_s=60.0,
-        )
-
     spike = [(t, 120 if t == 58 else 100) for t in range(0, 60, 2)]
-    assert report(spike).passed
+    assert _report(rss_mib=spike).passed
     risen = [(t, 106 if t >= 48 else 100) for t in range(0, 60, 2)]
-    assert not report(risen).passed
+    assert not _report(rss_mib=risen).passed

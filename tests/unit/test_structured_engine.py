@@ -20,7 +20,7 @@ from proposer_service.ngram import NgramDrafter
 from shared.errors import InvalidRequestError
 from shared.grammar import GrammarCompiler, GrammarLogitsProcessor, StructuredOutput, allowed_tokens
 from shared.sampling import SamplingParams
-from tests.law import law_pvalue
+from tests.law import LAW_PROMPT, first_two_token_counts, law_pvalue
 from tests.unit.test_engine import EOS, VOCAB, engine_with, prompts, target, target_hf, weak_draft  # noqa: F401
 from tests.unit.test_sampling import transformers_probs
 
@@ -188,20 +188,7 @@ def two_token_masked_law(hf_model, compiler, fmt, params, prompt):
     return first, second
 
 
-def first_two_counts(engine, n, params, prompt):
-    for i in range(n):
-        engine.add_request(f"s{i}", prompt, params)
-    counts = torch.zeros(2, VOCAB)
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
-    return counts
-
-
 LAW_FORMAT = StructuredOutput("regex", "(a[b-e]|f[g-m]|[n-s][t-z])")
-LAW_PROMPT = [5, 17, 33]
 
 
 @pytest.mark.parametrize(
@@ -231,7 +218,7 @@ def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, draf
 
         engine._compute_masks = drafts_unmasked
     n = 3000 if mask_drafts else 600  # the control fails by far: forbidden tokens are emitted
-    counts = first_two_counts(engine, n, params, LAW_PROMPT)
+    counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
     assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens > 0
     if drafts == "unaware":
         assert engine.stats.accepted_tokens < engine.stats.drafted_tokens / 2  # forbidden drafts were rejected
