@@ -9,7 +9,8 @@ record from a sentence into a JSON schema (name, age, city, occupation), at batc
 batch 8 (all at once). Rows:
 
     t   target alone (k = 0) with the grammar
-    n4  n-gram drafter, k = 4 (extraction copies values from the prompt)
+    n4  n-gram drafter, k = 4 (extraction copies values from the prompt; the format's forced tokens follow)
+    n8  n-gram drafter, k = 8
     d4  the draft model, k = 4;  da: the draft model with the engine's adaptive k (<= 4)
     g4  the EAGLE head, k = 4 (when its folder exists)
 
@@ -65,6 +66,7 @@ RECORDS = [
 ROWS = {  # name: (drafter, k, adaptive)
     "t": (None, 0, False),
     "n4": ("ngram", 4, False),
+    "n8": ("ngram", 8, False),
     "d4": ("draft", 4, False),
     "da": ("draft", 4, True),
     "g4": ("eagle", 4, False),
@@ -223,6 +225,7 @@ def render(results: dict, meta: dict) -> str:
     names = {
         "t": "t: target alone",
         "n4": "n4: n-gram k=4",
+        "n8": "n8: n-gram k=8",
         "d4": "d4: draft model k=4",
         "da": "da: draft model adaptive k",
         "g4": "g4: EAGLE head k=4",
