@@ -5,7 +5,8 @@ position: the drafters propose only grammar-valid tokens instead. Per constraine
 stands at the end of the committed output, advanced by the output tokens committed since the last request
 and rebuilt when the history was rewritten (a resend, a rollback of committed tokens) or the format changed.
 The model drafters walk it along their draft (`DraftWalk`), masking their distribution at every position and
-rolling the walk back afterwards; the n-gram drafter cuts its run at the first forbidden token.
+rolling the walk back afterwards; the n-gram drafter cuts its run at the first forbidden token and appends
+what the format forces next.
 
 Anything wrong with the format (it does not compile, the committed output does not match it, no tokenizer to
 compile it with) means no draft for that sequence, never a failed batch: the verifier enforces the format.
@@ -93,15 +94,25 @@ class DraftGrammar:
 class DraftWalk:
     """One round of model drafting for a batch: each constrained row's matcher walks along its draft, masking
     the drafter's logits at every position (before any sampling rule: greedy, seeded and sampled drafts all
-    come from the masked distribution); `finish` rolls every matcher back to the committed output.
+    come from the masked distribution); leaving the `with` block rolls every matcher back to the committed
+    output. A batch with no constrained sequence walks nothing: `mask` and `advance` pass everything through.
 
     Rows are the batch's sequences (0..len(matchers) - 1); a step passes the logits of some of them."""
 
-    def __init__(self, compiler: GrammarCompiler, matchers: list[GrammarMatcher | None]) -> None:
+    def __init__(self, compiler: GrammarCompiler | None, matchers: list[GrammarMatcher | None]) -> None:
         self.compiler = compiler
-        self.matchers = matchers
+        self.matchers = matchers  # all None without a compiler (DraftGrammar.update gives no matcher then)
         self.num_walked = [0] * len(matchers)  # draft tokens each matcher consumed this round
-        self.bitmask = compiler.new_bitmask(len(matchers))  # [rows, words] int32
+        self.bitmask: torch.Tensor | None = None  # [rows, words] int32, made on the first constrained mask
+
+    def __enter__(self) -> DraftWalk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for matcher, num_walked in zip(self.matchers, self.num_walked, strict=True):
+            if matcher is not None:
+                matcher.rollback(num_walked)
+        self.num_walked = [0] * len(self.matchers)
 
     def mask(
         self, logits: torch.Tensor, rows: list[int], ended: list[bool], subset: torch.Tensor | None = None
@@ -113,6 +124,9 @@ class DraftWalk:
         lines = [j for j, row in enumerate(rows) if self.matchers[row] is not None]
         if not lines:
             return logits, rows
+        assert self.compiler is not None
+        if self.bitmask is None:
+            self.bitmask = self.compiler.new_bitmask(len(self.matchers))
         constrained = [rows[j] for j in lines]
         for row in constrained:
             matcher = self.matchers[row]
@@ -149,7 +163,7 @@ class DraftWalk:
         matcher = self.matchers[row]
         if matcher is None:
             return True, True
-        if token in self.compiler.eos_token_ids:
+        if token in matcher.compiler.eos_token_ids:
             return True, False
         try:
             matcher.consume([token])
@@ -159,15 +173,7 @@ class DraftWalk:
         self.num_walked[row] += 1
         return True, True
 
-    def finish(self) -> None:
-        for matcher, num_walked in zip(self.matchers, self.num_walked, strict=True):
-            if matcher is not None:
-                matcher.rollback(num_walked)
-        self.num_walked = [0] * len(self.matchers)
 
-
-def draft_walk(grammar: DraftGrammar, matchers: list[GrammarMatcher | None]) -> DraftWalk | None:
-    """A walk for this batch, or None when no sequence in it is constrained (no mask work at all)."""
-    if grammar.compiler is None or all(m is None for m in matchers):
-        return None
+def draft_walk(grammar: DraftGrammar, matchers: list[GrammarMatcher | None]) -> DraftWalk:
+    """This round's walk over the batch's matchers (see DraftWalk); use it as a context manager."""
     return DraftWalk(grammar.compiler, matchers)

@@ -115,14 +115,10 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
     ) -> list[Draft]:
         if not active:
             return []
-        walk = draft_walk(self.grammar, matchers)
-        try:
+        with draft_walk(self.grammar, matchers) as walk:
             return self._draft_walking(active, walk)
-        finally:
-            if walk is not None:
-                walk.finish()
 
-    def _draft_walking(self, active: list[tuple[DraftRequest, list[int]]], walk: DraftWalk | None) -> list[Draft]:
+    def _draft_walking(self, active: list[tuple[DraftRequest, list[int]]], walk: DraftWalk) -> list[Draft]:
         reqs = [req for req, _ in active]
         states = [self.states[req.seq_id] for req in reqs]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
@@ -140,12 +136,11 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
                 items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), feeds[i], 1))
                 states[i].cached.extend(feeds[i])
             logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
-            if walk is not None:
-                logits, rows = walk.mask(logits, rows, ended)
+            logits, rows = walk.mask(logits, rows, ended)
             for row, (token, support) in zip(
                 rows, self._sample(logits, [reqs[i] for i in rows], states, rows, step), strict=True
             ):
-                keep, draft_on = walk.advance(row, token) if walk is not None else (True, True)
+                keep, draft_on = walk.advance(row, token)
                 ended[row] = not draft_on
                 if not keep:
                     continue

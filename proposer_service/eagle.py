@@ -80,13 +80,9 @@ class EagleDrafter(PagedDrafter[_SeqState]):
                 drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
         if active:
             self._catch_up(active)
-            walk = draft_walk(self.grammar, matchers)
-            try:
+            with draft_walk(self.grammar, matchers) as walk:
                 for draft in self._draft([req for req, _ in active], walk):
                     drafts[draft.seq_id] = draft
-            finally:
-                if walk is not None:
-                    walk.finish()
         return [drafts[req.seq_id] for req in requests]
 
     # ---- state ----------------------------------------------------------------------------------
@@ -196,7 +192,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
-    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk | None) -> list[Draft]:
+    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk) -> list[Draft]:
         states = [self.states[req.seq_id] for req in reqs]
         guesses = [s.last_hidden for s in states]  # each: predicted feature at the first draft's position
         assert all(g is not None for g in guesses)
@@ -215,12 +211,11 @@ class EagleDrafter(PagedDrafter[_SeqState]):
                 for i, out in zip(rows, self._forward(forward_rows), strict=True):
                     guesses[i] = out[-1]
             logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
-            if walk is not None:
-                logits, rows = walk.mask(logits, rows, ended, self.head.vocab_subset)
+            logits, rows = walk.mask(logits, rows, ended, self.head.vocab_subset)
             for i, (token, support) in zip(
                 rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step), strict=True
             ):
-                keep, draft_on = walk.advance(i, token) if walk is not None else (True, True)
+                keep, draft_on = walk.advance(i, token)
                 ended[i] = not draft_on
                 if not keep:
                     continue

@@ -25,7 +25,7 @@ from shared.config import load_config
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
-from shared.grammar import GrammarCompiler
+from shared.grammar import GrammarCompiler, load_compiler
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
@@ -299,16 +299,7 @@ def load_grammar_compiler(
 ) -> GrammarCompiler | None:
     """The compiler of formats (structured output) over the drafter's token ids, or None (with a warning) when
     no tokenizer can be loaded: sequences with a format are then not drafted."""
-    from shared.model.loader import load_tokenizer
-
-    started = time.monotonic()
-    try:
-        compiler = GrammarCompiler(load_tokenizer(tokenizer_source), vocab_size, eos_token_ids)
-    except Exception as err:  # any loader failure: serve on, without drafts under a format
-        log.warning("no tokenizer from %s (%s): sequences with a format are not drafted", tokenizer_source, err)
-        return None
-    log.info("format compiler ready tokenizer=%s seconds=%.1f", tokenizer_source, time.monotonic() - started)
-    return compiler
+    return load_compiler(tokenizer_source, vocab_size, eos_token_ids, "sequences with a format are not drafted")
 
 
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:

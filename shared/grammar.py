@@ -15,9 +15,13 @@ EOS id of the model, not only the tokenizer's), and a sequence ends on one, so t
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +29,7 @@ import torch
 
 from shared.errors import InvalidRequestError
 
+log = logging.getLogger("specdec.grammar")
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 # Compact JSON: with flexible whitespace a small model can emit blanks forever inside a valid document.
 JSON_OVERRIDES: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -123,6 +128,23 @@ class GrammarCompiler:
         return torch.full((rows, self.words), -1, dtype=torch.int32)
 
 
+def load_compiler(
+    tokenizer_source: str, vocab_size: int, eos_token_ids: tuple[int, ...], without: str
+) -> GrammarCompiler | None:
+    """The compiler over the tokenizer at `tokenizer_source` (a model folder or hub id), or None with a warning
+    that says what happens `without` it: a service serves on with formats refused or not drafted."""
+    from shared.model.loader import load_tokenizer
+
+    started = time.monotonic()
+    try:
+        compiler = GrammarCompiler(load_tokenizer(tokenizer_source), vocab_size, eos_token_ids)
+    except Exception as err:  # any loader or grammar-engine failure (a test model's own small vocabulary)
+        log.warning("no format compiler from %s (%s): %s", tokenizer_source, err, without)
+        return None
+    log.info("format compiler ready tokenizer=%s seconds=%.1f", tokenizer_source, time.monotonic() - started)
+    return compiler
+
+
 class GrammarMatcher:
     """One request's position in its grammar. Not thread-safe: one owner at a time."""
 
@@ -155,36 +177,40 @@ class GrammarMatcher:
             self._matcher.rollback(num_tokens)
             self.num_consumed -= num_tokens
 
-    def is_stopped(self) -> bool:
-        """Nothing but EOS may follow (the format is complete)."""
-        return self._matcher.is_stopped()
-
     def forced_after(self, prefix: list[int]) -> list[int]:
         """The tokens the format forces after `prefix` (valid, no EOS), e.g. a JSON key and its quotes: the only
         ones the mask will allow there, so a drafter may propose them for free. State unchanged."""
-        if any(t in self.compiler.eos_token_ids for t in prefix):
+        walk, num_valid = self._valid_walk(prefix)
+        if num_valid != len(prefix):  # a forbidden token, or an EOS: nothing follows
             return []
-        if prefix:
-            if self._matcher.validate_tokens(prefix) != len(prefix):
-                return []
-            self._matcher.consume_tokens(prefix)
-        forced = list(self._matcher.compute_ff_tokens())
-        if prefix:
-            self._matcher.rollback(len(prefix))
-        return forced
+        with self._after(walk):
+            return list(self._matcher.compute_ff_tokens())
 
     def num_valid(self, draft_ids: list[int]) -> int:
         """How many leading draft tokens the grammar allows (state unchanged); an EOS counts where the grammar
         may end, and nothing after it does."""
+        walk, num_valid = self._valid_walk(draft_ids)
+        if num_valid == len(walk) < len(draft_ids):  # all valid up to an EOS
+            with self._after(walk):
+                num_valid += int(self._matcher.is_accepting())
+        return num_valid
+
+    def _valid_walk(self, draft_ids: list[int]) -> tuple[list[int], int]:
+        """(the draft up to its first EOS, how many of those tokens the grammar allows); state unchanged."""
         cut = next((j for j, t in enumerate(draft_ids) if t in self.compiler.eos_token_ids), len(draft_ids))
         walk = draft_ids[:cut]
-        num_valid = self._matcher.validate_tokens(walk) if walk else 0
-        if num_valid == cut < len(draft_ids):
-            self._matcher.consume_tokens(walk)
-            num_valid += int(self._matcher.is_accepting())
-            if walk:
-                self._matcher.rollback(len(walk))
-        return num_valid
+        return walk, self._matcher.validate_tokens(walk) if walk else 0
+
+    @contextlib.contextmanager
+    def _after(self, valid_tokens: list[int]) -> Iterator[None]:
+        """The matcher moved past `valid_tokens` (validated, no EOS) for the block, then back."""
+        if valid_tokens:
+            self._matcher.consume_tokens(valid_tokens)
+        try:
+            yield
+        finally:
+            if valid_tokens:
+                self._matcher.rollback(len(valid_tokens))
 
     def fill_masks(self, draft_ids: list[int], bitmask: torch.Tensor, row: int = 0) -> int:
         """Rows row .. row + len(draft_ids) of `bitmask` ([rows, words] int32) get the tokens allowed at each
@@ -193,9 +219,7 @@ class GrammarMatcher:
         rejects that token, so nothing after it is ever emitted. The matcher's state is unchanged.
         Returns the number of rows filled with a real mask."""
         bitmask[row : row + len(draft_ids) + 1] = -1
-        cut = next((j for j, t in enumerate(draft_ids) if t in self.compiler.eos_token_ids), len(draft_ids))
-        walk = draft_ids[:cut]
-        num_valid = self._matcher.validate_tokens(walk) if walk else 0
+        walk, num_valid = self._valid_walk(draft_ids)
         for j in range(num_valid + 1):
             self._fill_row(bitmask, row + j)
             if j < num_valid:

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import grpc
 
@@ -273,17 +272,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
 # ---- building and serving -----------------------------------------------------------------------
 
 
-def _load_tokenizer(name: str) -> Any:
-    """The target's tokenizer, or None (structured output then answers INVALID_ARGUMENT)."""
-    from shared.model.loader import load_tokenizer
-
-    try:
-        return load_tokenizer(name)
-    except Exception as err:
-        log.warning("structured output is off: no tokenizer for %s: %s", name, err)
-        return None
-
-
 class VerifierServer(ServiceRuntime):
     """A running verifier: engine loop, optional remote proposer, gRPC server with health and reflection."""
 
@@ -325,6 +313,7 @@ class VerifierServer(ServiceRuntime):
         is rank 0; see shared/model/tp_group.py), so `target` must not be given. `telemetry`: default from
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
 
+        from shared.grammar import load_compiler
         from shared.model.attention import resolve_block_size
         from shared.model.build import CacheConfig, read_arch
         from shared.model.dtype import resolve_dtype
@@ -399,12 +388,13 @@ class VerifierServer(ServiceRuntime):
             await asyncio.to_thread(engine.warm_up)
             log.info("warm-up batch served seconds=%.1f", time.monotonic() - warm_start)
         # After the weights, not beside them: two threads importing transformers' lazy modules at once can fail.
-        tokenizer = await asyncio.to_thread(_load_tokenizer, name)
-        if tokenizer is not None:
-            try:
-                await asyncio.to_thread(engine.enable_structured_output, tokenizer)
-            except Exception as err:  # e.g. a tokenizer larger than a test model's vocabulary
-                log.warning("structured output is off: the grammar engine refused the tokenizer: %s", err)
+        engine.grammar = await asyncio.to_thread(
+            load_compiler,
+            name,
+            engine.runner.vocab_size,
+            tuple(engine.eos_token_ids),
+            "requests with a format get INVALID_ARGUMENT",
+        )
         loop = EngineLoop(engine, proposer)
         if telemetry is None:
             telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
