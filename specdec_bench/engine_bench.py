@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -64,7 +62,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_draft_model, default_eagle_head, default_target_model
 from specdec_bench.memory import PeakRSS, max_rss
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
-from specdec_bench.report import load_average, write_report
+from specdec_bench.report import load_average, run_meta, write_report
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from verifier_service.builder import engine_num_blocks
 from verifier_service.engine import Engine, EngineConfig
@@ -674,29 +672,6 @@ def _fmt(value, spec: str, default: str = "—") -> str:
     return default if value is None else format(value, spec)
 
 
-def machine_info(malloc_tuned: bool) -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
-        "malloc": "glibc thresholds fixed (shared/malloc_tuning.py)" if malloc_tuned else "glibc defaults",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "python": platform.python_version(),
-    }
-
-
 def render(summary: dict, meta: dict) -> str:
     rows = summary["rows"]
     out = [MARK_START, "## Engine benchmark (`specdec_bench.engine_bench`)", ""]
@@ -973,15 +948,9 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         summary = run_benchmark(models, plan, log)
     runtime = time.perf_counter() - log.start
-    command = "python -m specdec_bench.engine_bench" + (" " + " ".join(sys.argv[1:]) if argv is None else "")
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime_s": runtime,
+        **run_meta("engine_bench", argv, runtime, malloc_tuned, load_start),
         "quick": args.quick,
-        "command": command.strip(),
-        "machine": machine_info(malloc_tuned),
-        "load_start": load_start,
-        "load_end": load_average(),
         "target": target_name,
         "draft": draft_name,
         "eagle": f"`{eagle_dir}`"

@@ -44,7 +44,6 @@ import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -56,9 +55,9 @@ from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from shared.tls import ClientTLS, aio_channel, sync_channel
-from specdec_bench.engine_bench import NUM_THREADS, chat_ids, machine_info
+from specdec_bench.engine_bench import NUM_THREADS, chat_ids
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
-from specdec_bench.report import load_average, write_report
+from specdec_bench.report import load_average, run_meta, write_report
 
 HOST = "127.0.0.1"
 K = 4
@@ -939,15 +938,9 @@ def main(argv: list[str] | None = None) -> int:
             for p in procs:
                 print(f"----- {p.name} (last lines) -----\n{p.tail(15)}", file=sys.stderr)
     runtime = time.perf_counter() - log.start
-    command = "python -m specdec_bench.gateway_bench" + (" " + " ".join(sys.argv[1:]) if argv is None else "")
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime_s": runtime,
+        **run_meta("gateway_bench", argv, runtime, malloc_tuned, load_start),
         "quick": args.quick,
-        "command": command.strip(),
-        "machine": machine_info(malloc_tuned),
-        "load_start": load_start,
-        "load_end": load_average(),
         "target": target_name,
         "draft": draft_name,
         "eagle": f"`{eagle_dir}`"

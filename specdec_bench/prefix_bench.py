@@ -25,7 +25,6 @@ import statistics
 import sys
 import tempfile
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 import grpc
@@ -33,10 +32,10 @@ import grpc
 from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
-from specdec_bench.engine_bench import NUM_THREADS, machine_info
+from specdec_bench.engine_bench import NUM_THREADS
 from specdec_bench.gateway_bench import HOST, STARTUP_TIMEOUT_S, Proc, Stack, _command, free_port
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
-from specdec_bench.report import load_average, write_report
+from specdec_bench.report import load_average, run_meta, write_report
 
 TURNS = 5
 MAX_TOKENS = 32
@@ -227,12 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         for p in reversed(procs):
             p.stop()
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime_s": time.perf_counter() - started,
-        "command": "python -m specdec_bench.prefix_bench" + ("" if argv is not None else " " + " ".join(sys.argv[1:])),
-        "machine": machine_info(malloc_tuned),
-        "load_start": load_start,
-        "load_end": load_average(),
+        **run_meta("prefix_bench", argv, time.perf_counter() - started, malloc_tuned, load_start),
         "target": target,
         "draft": draft,
         "runs": args.runs,

@@ -28,7 +28,6 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from shared.tls import ClientTLS, aio_channel
-from specdec_bench.engine_bench import NUM_THREADS, chat_ids, machine_info
+from specdec_bench.engine_bench import NUM_THREADS, chat_ids
 from specdec_bench.gateway_bench import (
     CLIENTS,
     MAX_MODEL_LEN,
@@ -53,7 +52,7 @@ from specdec_bench.gateway_bench import (
     run_gateway,
 )
 from specdec_bench.prompts import GENERAL_PROMPTS
-from specdec_bench.report import load_average, write_report
+from specdec_bench.report import load_average, run_meta, write_report
 
 MARK_START = "<!-- secure-bench:start -->"
 MARK_END = "<!-- secure-bench:end -->"
@@ -419,15 +418,9 @@ def main(argv: list[str] | None = None) -> int:
         if any(c != 0 for c in codes.values()):
             print(f"services that did not exit with 0 after SIGTERM: {codes}; logs in {work}", file=sys.stderr)
     runtime = time.perf_counter() - log.start
-    command = "python -m specdec_bench.secure_bench" + (" " + " ".join(sys.argv[1:]) if argv is None else "")
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime_s": runtime,
+        **run_meta("secure_bench", argv, runtime, malloc_tuned, load_start),
         "quick": args.quick,
-        "command": command.strip(),
-        "machine": machine_info(malloc_tuned),
-        "load_start": load_start,
-        "load_end": load_average(),
         "target": target,
         "draft": draft,
         "with_draft": args.draft,

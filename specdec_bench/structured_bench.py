@@ -29,7 +29,6 @@ import os
 import statistics
 import sys
 import time
-from datetime import UTC, datetime
 from pathlib import Path
 
 from shared.grammar import StructuredOutput
@@ -37,7 +36,7 @@ from shared.malloc_tuning import tune_malloc
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from shared.settings import default_draft_model, default_eagle_head, default_target_model
-from specdec_bench.report import load_average, write_report
+from specdec_bench.report import load_average, run_meta, write_report
 
 MARK_START = "<!-- structured-bench:start -->"
 MARK_END = "<!-- structured-bench:end -->"
@@ -83,13 +82,14 @@ def prompts(tokenizer) -> list[list[int]]:
 def make_engine(row: str, target, draft, tokenizer, max_num_seqs: int):
     from proposer_service.eagle import make_eagle_drafter
     from proposer_service.ngram import NgramDrafter
+    from shared.drafting import Drafter
     from specdec_local.builder import build_engine, enable_structured_output, make_draft_model_drafter
     from verifier_service.engine import EngineConfig
 
     kind, k, adaptive = ROWS[row]
     config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=1024, adaptive_k=adaptive)
     cache = CacheConfig(enable_prefix_caching=False)
-    drafter = None
+    drafter: Drafter | None = None
     if kind == "ngram":
         drafter = NgramDrafter()
     elif kind == "draft":
@@ -184,10 +184,6 @@ def bench(rows: list[str], runs: int, log) -> dict:
                 if per_run[row][r]["outputs"] != reference:
                     raise SystemExit(f"row {row} at batch {batch_size} differs from the target alone: a bug")
         results[batch_size] = {row: summarise(per_run[row], per_run.get("t")) for row in rows}
-        results[batch_size]["_valid_json"] = all(
-            json.loads(tokenizer.decode(o, skip_special_tokens=True)).keys() == SCHEMA["properties"].keys()
-            for o in per_run[rows[0]][0]["outputs"]
-        )
     return results
 
 
@@ -232,8 +228,6 @@ def render(results: dict, meta: dict) -> str:
     }
     for batch_size, rows in results.items():
         for row, r in rows.items():
-            if row.startswith("_"):
-                continue
             lines.append(
                 f"| {batch_size} | {names[row]} | {r['tokens_per_s']:.1f} | x{r.get('speedup', 1.0):.2f} | "
                 f"{r['mean_accepted_length']:.2f} | {r['acceptance']:.0%} | {r['mask_share']:.1%} | "
@@ -256,8 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     def log(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.0f}s] {message}", file=sys.stderr, flush=True)
 
-    from specdec_bench.engine_bench import machine_info
-
     rows = [r for r in (args.only.split(",") if args.only else ROWS) if r]
     if "t" not in rows:
         rows.insert(0, "t")
@@ -267,12 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     load_start = load_average()
     results = bench(rows, args.runs, log)
     meta = {
-        "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "runtime_s": time.perf_counter() - started,
-        "command": "python -m specdec_bench.structured_bench" + (" " + " ".join(argv or sys.argv[1:])).rstrip(),
-        "machine": machine_info(malloc_tuned),
-        "load_start": load_start,
-        "load_end": load_average(),
+        **run_meta("structured_bench", argv, time.perf_counter() - started, malloc_tuned, load_start),
         "target": default_target_model(),
         "draft": default_draft_model(),
         "runs": args.runs,
