@@ -196,33 +196,22 @@ def same_draft_streams(monkeypatch):
 
 @pytest.mark.parametrize("constraint", [SCHEMA, REGEX], ids=["json_schema", "regex"])
 @pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
-def test_draft_model_drafts_only_allowed_tokens(draft_model, compiler, vocab, constraint, params, same_draft_streams):
-    drafted = drive(
-        new_draft_model_drafter(draft_model, compiler),
-        new_draft_model_drafter(draft_model, compiler),
-        compiler,
-        vocab,
-        constraint,
-        PARAMS[params],
-        eagle=False,
-        seed=len(params) + len(constraint.kind),
-    )
-    assert drafted >= ROUNDS
-
-
-@pytest.mark.parametrize("constraint", [SCHEMA, REGEX], ids=["json_schema", "regex"])
-@pytest.mark.parametrize("params", list(PARAMS), ids=list(PARAMS))
-def test_eagle_drafts_only_allowed_tokens(
-    eagle_dir, eagle_target, compiler, vocab, constraint, params, same_draft_streams
+@pytest.mark.parametrize("kind", ["draft-model", "eagle"])
+def test_model_drafters_draft_only_allowed_tokens(
+    kind, draft_model, eagle_dir, eagle_target, compiler, vocab, constraint, params, same_draft_streams
 ):
+    new = {
+        "draft-model": lambda: new_draft_model_drafter(draft_model, compiler),
+        "eagle": lambda: new_eagle_drafter(eagle_dir, eagle_target, compiler),
+    }[kind]
     drafted = drive(
-        new_eagle_drafter(eagle_dir, eagle_target, compiler),
-        new_eagle_drafter(eagle_dir, eagle_target, compiler),
+        new(),
+        new(),
         compiler,
         vocab,
         constraint,
         PARAMS[params],
-        eagle=True,
+        eagle=kind == "eagle",
         seed=len(params) + len(constraint.kind),
     )
     assert drafted >= ROUNDS
