@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale
 from shared.model.config import ModelArch
 from shared.model.llama import DecoderLayer
-from shared.model.parallel import SINGLE, linear
+from shared.model.parallel import SINGLE, linear, pack_linears, pack_weight
 from shared.model.rope import RotaryEmbedding, apply_rotary
 
 HEAD_ARCHITECTURE = "SpecdecEagleHead"
@@ -106,6 +106,12 @@ class EagleHead(torch.nn.Module):
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] fp32
         return linear(hidden, self.subset_lm_head).float()
+
+    def pack_weights(self) -> None:
+        """After loading: the head's weights in oneDNN's layout (parallel.pack_weight)."""
+        pack_linears(self)
+        for name in ("fc_weight", "subset_lm_head"):
+            setattr(self, name, torch.nn.Parameter(pack_weight(getattr(self, name).data), requires_grad=False))
 
     @torch.no_grad()
     def load(self, head_state: dict[str, torch.Tensor], target_embedding: torch.Tensor, target_lm_head: torch.Tensor):
@@ -228,4 +234,5 @@ def build_head(folder: str | Path, target_embedding: torch.Tensor, target_lm_hea
     head = head.to_empty(device=device)
     head.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     head.load(load_head_state(folder), target_embedding, target_lm_head)
+    head.pack_weights()
     return head.eval(), arch

@@ -12,7 +12,15 @@ import torch.nn.functional as F
 
 from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale, paged_attention, write_kv
 from shared.model.config import ModelArch
-from shared.model.parallel import SINGLE, ColumnParallelLinear, RowParallelLinear, TensorParallel, linear
+from shared.model.parallel import (
+    SINGLE,
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallel,
+    linear,
+    pack_linears,
+    pack_weight,
+)
 from shared.model.rope import RotaryEmbedding, apply_rotary
 
 
@@ -110,6 +118,14 @@ class LlamaModel(torch.nn.Module):
         self.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings)
         self.lm_head = None if arch.tie_word_embeddings else Embedding(arch.vocab_size, arch.hidden_size)
         self.backend = TorchPagedAttention()
+        self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights
+
+    def pack_weights(self) -> None:
+        """After loading: every linear weight in oneDNN's layout (parallel.pack_weight). The LM head is packed
+        as a copy, since the embedding (tied) and the EAGLE head still read its plain rows."""
+        pack_linears(self)
+        packed = pack_weight(self.lm_head_weight)
+        self.packed_lm_head = packed if packed is not self.lm_head_weight else None
 
     @torch.inference_mode()
     def forward(
@@ -130,7 +146,8 @@ class LlamaModel(torch.nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
-        return linear(hidden, self.lm_head_weight).float()
+        weight = self.lm_head_weight if self.packed_lm_head is None else self.packed_lm_head
+        return linear(hidden, weight).float()
 
     @torch.no_grad()
     def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:

@@ -150,6 +150,7 @@ def build_model(
     # Buffers made on the meta device hold no values; the RoPE table is rebuilt where the model lives.
     model.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     model.load_hf_state_dict(state)
+    model.pack_weights()
     return model.eval()
 
 
