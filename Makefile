@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.gateway_bench
 	$(PY) -m specdec_bench.secure_bench
 	$(PY) -m specdec_bench.hotpath_bench
+	$(PY) -m specdec_bench.packing_bench
 	$(PY) -m specdec_bench.structured_bench
 
 bench-tp: $(STAMP)

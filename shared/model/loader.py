@@ -143,14 +143,17 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     tp: TensorParallel = SINGLE,
+    pack: bool = True,
 ) -> LlamaModel:
+    """`pack`: linear weights in oneDNN's layout (`LlamaModel.pack_weights`); off only to measure the gain."""
     with torch.device("meta"):
         model = LlamaModel(arch, tp)
     model = model.to_empty(device=device).to(dtype)
     # Buffers made on the meta device hold no values; the RoPE table is rebuilt where the model lives.
     model.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     model.load_hf_state_dict(state)
-    model.pack_weights()
+    if pack:
+        model.pack_weights()
     return model.eval()
 
 

@@ -1,0 +1,75 @@
+"""Packed against plain linear weights (shared/model/parallel.py: pack_weight): the real target's forward
+with q new tokens per sequence, batch 1 and 8, both models loaded from the same tensors and timed in
+alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown table (docs/BENCHMARKS.md,
+"Packed weights").
+
+    python -m specdec_bench.packing_bench [--rounds 5] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from shared.malloc_tuning import tune_malloc
+from shared.model.config import ModelArch
+from shared.model.loader import ModelSource, build_model, load_hf_config, load_state_dict, load_tokenizer
+from shared.settings import default_target_model
+from specdec_bench.engine_bench import chat_ids, time_forward
+from specdec_bench.prompts import GENERAL_PROMPTS
+from specdec_bench.report import load_average, run_meta
+
+QUERY_LENS = (1, 2, 3, 5, 7)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args(argv)
+    started, load_start = time.monotonic(), load_average()
+    tune_malloc()
+    torch.set_num_threads(args.threads)
+    name = default_target_model()
+    source = ModelSource.resolve(name)
+    arch = ModelArch.from_hf_config(load_hf_config(source))
+    state = load_state_dict(source)
+    models = {"plain": build_model(arch, state, pack=False), "packed": build_model(arch, state)}
+    tokenizer = load_tokenizer(name)
+    prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]
+    times: dict[tuple[str, int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for batch in (1, 8):
+            for label, model in models.items():
+                for q, seconds in time_forward(model, arch, prompts[:batch], QUERY_LENS, args.reps).items():
+                    times.setdefault((label, batch, q), []).append(seconds)
+    ms = {key: statistics.median(v) * 1000 for key, v in times.items()}
+    meta = run_meta("packing_bench", argv, time.monotonic() - started, True, load_start)
+    print(f"- Date: {meta['date']}; command: `{meta['command']}`; wall time {meta['runtime_s'] / 60:.1f} min")
+    m = meta["machine"]
+    print(
+        f"- Machine: {m['cpu']}, {m['cores']} cores, torch threads {m['torch_threads']}, torch {m['torch']}; "
+        f"load average at start / end: {meta['load_start']} / {meta['load_end']}\n"
+    )
+    print("| batch | weights | " + " | ".join(f"q={q} ms" for q in QUERY_LENS) + " | v_2 | v_4 | v_6 |")
+    print("| ---: | --- | " + " | ".join("---:" for _ in QUERY_LENS) + " | ---: | ---: | ---: |")
+    for batch in (1, 8):
+        for label in models:
+            row = [ms[(label, batch, q)] for q in QUERY_LENS]
+            ratios = [ms[(label, batch, q)] / ms[(label, batch, 1)] for q in (3, 5, 7)]
+            print(
+                f"| {batch} | {label} | "
+                + " | ".join(f"{t:.1f}" for t in row)
+                + " | "
+                + " | ".join(f"{r:.2f}" for r in ratios)
+                + " |"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
