@@ -13,7 +13,7 @@
 #   SPECDEC_TARGET_MODEL     target model (HF folder, .gguf folder or hub id); default: shared.settings
 #   SPECDEC_DRAFT_MODEL      draft model for --kind draft-model; default: shared.settings
 #   SPECDEC_EAGLE_HEAD       EAGLE head folder for --kind eagle; default: models/smollm2-135m-eagle
-#   SPECDEC_PROPOSER_KIND    draft-model (default), eagle or ngram
+#   SPECDEC_PROPOSER_KIND    eagle (default: the repository's trained head), draft-model or ngram
 #   SPECDEC_K                draft tokens per step (default 4)
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
 #   RUN_STARTUP_TIMEOUT      seconds to wait for all services to be healthy (default 600)
@@ -34,7 +34,7 @@ fi
 BIN="$(dirname "$PYTHON")"
 
 PROMPT="${1:-Explain in two sentences what speculative decoding is.}"
-KIND="${SPECDEC_PROPOSER_KIND:-draft-model}"
+KIND="${SPECDEC_PROPOSER_KIND:-eagle}"
 K="${SPECDEC_K:-4}"
 MAX_TOKENS="${RUN_MAX_TOKENS:-64}"
 STARTUP_TIMEOUT="${RUN_STARTUP_TIMEOUT:-600}"
