@@ -66,17 +66,19 @@ SINGLE = TensorParallel()
 
 
 _ONEDNN = torch.backends.mkldnn.is_available()
-# oneDNN picks its blocked weight layout for a row count; laid out for 8 rows, products of 1 to 40 rows all
-# ran at or below the plain weight's cost (docs/engine.md), and one row's result no longer depends on how
-# many rows share the product (the layout fixes the order each output is accumulated in).
+# oneDNN picks its blocked weight layout for a row count. Over the default target's 121 weights in turn (one
+# thread), a layout for 8 rows ran products of 1, 2, 5, 8, 16 and 40 rows at or below the plain weight's
+# cost; layouts for 1, 5 and 16 rows were each slower at some of those counts. One row's result no longer
+# depends on how many rows share the product (the layout fixes the order each output is accumulated in).
 PACK_ROWS = 8
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] reordered once, at load, into oneDNN's blocked layout: an opaque tensor that only
-    `linear` reads. Left plain, oneDNN lays the weight out again inside every product of more than one row,
-    so scoring k + 1 tokens cost about twice a one-token step; packed, 5 rows cost 1.3-1.7x one row
-    instead of 2.3x. Weights `linear` would not send to oneDNN come back unchanged."""
+    `linear` reads. Left plain, oneDNN lays the weight out again inside every product of more than one row:
+    over the default target's weights (one thread) 2 rows cost 2x one row, 5 rows 2.4x; packed, 1.3x and
+    1.7x. In the whole forward at batch 1 (two threads) scoring 5 tokens went from 1.47x to 1.24x a one-token
+    step (`specdec_bench.packing_bench`). Weights `linear` would not send to oneDNN come back unchanged."""
     if _ONEDNN and weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.float32:
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
     return weight
