@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -213,7 +214,7 @@ class GatewayCore:
             if fields.structured_output is not None:  # compiles in 1-40 ms (cached): off the event loop
                 await asyncio.to_thread(self.frontend.formats.check, fields.structured_output)
             prompt_ids = await self._prompt_ids(fields)
-            prepared = self.frontend.prepare(fields, prompt_ids, internal_id)
+            prepared = dataclasses.replace(self.frontend.prepare(fields, prompt_ids, internal_id), tenant=grant.name)
             grant.charge(len(prepared.prompt_ids))
             final: Final | None = None
             async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
@@ -382,6 +383,7 @@ class GatewayCore:
             output_offset=len(emitted),  # a resume: seeded sampling goes on from the same output position
             logprobs=prepared.num_logprobs is not None,
             top_logprobs=prepared.num_logprobs or 0,
+            tenant=prepared.tenant,
         )
         timeout = context.time_remaining()  # the client's deadline, passed on; None when it set none
         if timeout is None:

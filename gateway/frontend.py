@@ -90,6 +90,7 @@ class PreparedRequest:
     max_draft_tokens: int | None
     max_tokens_explicit: bool = True  # False: the server default (clamped to the context length)
     num_logprobs: int | None = None  # None: no logprobs; else the top alternatives reported per token
+    tenant: str = ""  # the API key's name ('' = anonymous): verifier and proposer keep cached text per tenant
 
 
 class Frontend:

@@ -262,6 +262,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             features,
             feature_start,
             seq.draft_position,
+            seq.tenant,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:

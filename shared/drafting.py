@@ -29,6 +29,9 @@ class DraftRequest:
     # Output position (0 = the request's first generated token) of the first draft token: seeded requests
     # draft with the noise of shared/seeded.py at that position and the following ones.
     draft_position: int = 0
+    # The request's tenant (the API key's name, '' = anonymous): a drafter that remembers text across requests
+    # keeps it per tenant.
+    tenant: str = ""
 
 
 @dataclass(frozen=True)

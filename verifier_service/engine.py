@@ -166,11 +166,13 @@ class Engine:
         max_draft_tokens: int | None = None,
         output_offset: int = 0,
         num_logprobs: int | None = None,
+        tenant: str = "",
     ) -> None:
         """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
         `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
         seeded sampling's output positions start. `num_logprobs`: None, or report each emitted token's
-        log-probability with that many top alternatives (shared/logprobs.py)."""
+        log-probability with that many top alternatives (shared/logprobs.py). `tenant`: the API key's name
+        ('' = anonymous), passed to the drafter."""
         self._validate(request_id, prompt_ids, params)
         if num_logprobs is not None and not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, self.runner.vocab_size):
             raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {num_logprobs}")
@@ -186,6 +188,7 @@ class Engine:
             max_draft_tokens,
             output_offset=output_offset,
             num_logprobs=num_logprobs,
+            tenant=tenant,
         )
         if params.structured_output is not None:
             if self.grammar is None:
@@ -352,7 +355,9 @@ class Engine:
                 seq.num_features_sent = seq.features.end
             k = s.k if s.samples else 0
             requests.append(
-                DraftRequest(seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position)
+                DraftRequest(
+                    seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant
+                )
             )
             seq.num_sent_to_proposer = committed
         drafts = {}

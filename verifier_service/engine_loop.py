@@ -186,6 +186,7 @@ class EngineLoop:
         max_draft_tokens: int | None = None,
         output_offset: int = 0,
         num_logprobs: int | None = None,
+        tenant: str = "",
     ) -> AsyncGenerator[Update, None]:
         """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
         update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
@@ -198,7 +199,9 @@ class EngineLoop:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
-            self.engine.add_request(request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs)
+            self.engine.add_request(
+                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs, tenant
+            )
             self._requests[request_id] = tracked
             self._idle.clear()
         self._wake.set()

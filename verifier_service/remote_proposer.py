@@ -359,6 +359,7 @@ class RemoteProposer:
                 k=max(0, k),
                 sampling_params=sampling_params_to_proto(r.params),
                 draft_position=r.draft_position,
+                tenant=r.tenant,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))

@@ -31,6 +31,7 @@ class Sequence:
     # seeded sampling counts output positions from here, so the resumed text is the uninterrupted one.
     output_offset: int = 0
     num_logprobs: int | None = None  # None: no logprobs; else the top alternatives reported per token
+    tenant: str = ""  # the API key's name ('' = anonymous): cached state that reveals text stays per tenant
     tokens: list[int] = field(default_factory=list)  # prompt + output, all committed
     num_computed: int = 0  # tokens whose K/V are in the cache; the rest are fed next step
     num_cached_prompt: int | None = None  # prompt tokens found in the prefix cache at first admission

@@ -185,7 +185,9 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
                 request, max_model_len=self.max_model_len, default_max_tokens=self.default_max_tokens
             )
             num_logprobs = num_logprobs_of(request)
-            updates = self.loop.generate(request_id, prompt, params, max_draft, request.output_offset, num_logprobs)
+            updates = self.loop.generate(
+                request_id, prompt, params, max_draft, request.output_offset, num_logprobs, request.tenant
+            )
             async with contextlib.aclosing(updates):
                 async for update in self._with_keepalives(updates):
                     if update is None:

@@ -165,6 +165,7 @@ def test_missing_wrong_and_revoked_keys_are_refused_before_any_work(tokenizer, t
             stats = await h.stub.GetStats(gateway_pb2.GetStatsRequest(), metadata=auth(ALICE))
             assert stats.total_requests == 2 and len(fs.fake.requests) == 2
             assert all("authorization" not in md for md in fs.fake.metadata)  # the key stays at the gateway
+            assert [r.tenant for r in fs.fake.requests] == ["alice", "bob"]  # its name travels as the tenant
 
             # Editing the file during the run: alice revoked, carol added; no restart.
             write_keys(path, f"sha256:{hashlib.sha256(BOB.encode()).hexdigest()} bob\n{CAROL} carol\n")
@@ -172,6 +173,7 @@ def test_missing_wrong_and_revoked_keys_are_refused_before_any_work(tokenizer, t
             assert joined(await h.generate_as(CAROL, **generate))[0] == ids
             assert joined(await h.generate_as(BOB, prompt_token_ids=[1, 2], max_tokens=3))[0] == counting(2, 3)
             assert len(fs.fake.requests) == 4 and len(tokenized) == 3
+            assert [r.tenant for r in fs.fake.requests[2:]] == ["carol", "bob"]
 
             assert h.metric("specdec_gateway_auth_rejections") == {
                 (("reason", "missing"),): 3,

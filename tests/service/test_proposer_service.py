@@ -341,6 +341,29 @@ def test_the_drafter_gets_a_format_compiler_from_the_target_tokenizer_or_none(tm
     assert "sequences with a format are not drafted" in caplog.text
 
 
+def test_each_sequence_reaches_the_drafter_with_its_tenant():
+    class Recording(NgramDrafter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.requests: list[DraftRequest] = []
+
+        def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+            self.requests += requests
+            return super().propose(requests)
+
+    drafter = Recording()
+
+    async def body(server, channel):
+        stream = Stream(channel)
+        alice, anonymous = seq("a", 3, [1, 2, 3], 2, full=True), seq("b", 2, [4, 5], 2, full=True)
+        alice.tenant = "alice"
+        await stream.send([alice, anonymous])
+        assert [(r.seq_id.rsplit("/", 1)[-1], r.tenant) for r in drafter.requests] == [("a", "alice"), ("b", "")]
+        stream.call.cancel()
+
+    run(with_proposer(body, drafter, ProposerInfo("ngram", "", 0, "", 8, 0)))
+
+
 def test_a_new_stream_starts_clean_and_a_closed_stream_frees_its_state():
     drafter = make_drafter()
 

@@ -383,15 +383,20 @@ def test_sampled_requests_are_reproducible_with_a_seed():
     run(body())
 
 
-def test_the_remote_proposer_sends_the_draft_position():
-    """Seeded drafts need the output position of the first draft token (ProposeSequence.draft_position)."""
+def test_the_remote_proposer_sends_the_draft_position_and_the_tenant():
+    """Seeded drafts need the output position of the first draft token (ProposeSequence.draft_position); a
+    drafter that remembers text across requests needs each sequence's tenant."""
     from shared.drafting import DraftRequest
     from verifier_service.remote_proposer import RemoteProposer
 
     params = SamplingParams(temperature=0.8, seed=3)
-    requests = [DraftRequest("s", 3, [1, 2, 3], 2, params, draft_position=7), DraftRequest("t", 2, [4, 5], 2)]
+    requests = [
+        DraftRequest("s", 3, [1, 2, 3], 2, params, draft_position=7, tenant="alice"),
+        DraftRequest("t", 2, [4, 5], 2),
+    ]
     msg = RemoteProposer(["127.0.0.1:1"], vocab_size=VOCAB)._build_request(requests)
     assert [s.draft_position for s in msg.sequences] == [7, 0]
+    assert [s.tenant for s in msg.sequences] == ["alice", ""]
 
 
 BAD_REQUESTS = [

@@ -290,6 +290,25 @@ def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
     assert outs["off"] == hf_greedy(target_hf, ps[1], 20, eos=False)
 
 
+def test_each_request_reaches_the_drafter_with_its_tenant(target):
+    class Recording(NgramDrafter):
+        tenants: dict[str, set[str]] = {}
+
+        def propose(self, requests):
+            for r in requests:
+                self.tenants.setdefault(r.seq_id, set()).add(r.tenant)
+            return super().propose(requests)
+
+    drafter = Recording()
+    engine = engine_with(target, drafter, k=2)
+    ps = prompts(2, seed=5)
+    engine.add_request("a", ps[0], SamplingParams(max_tokens=6), tenant="alice")
+    engine.add_request("b", ps[1], SamplingParams(max_tokens=6))
+    while engine.has_unfinished():
+        engine.step()
+    assert drafter.tenants == {"a": {"alice"}, "b": {""}}
+
+
 # ---- prefix caching -----------------------------------------------------------------------------
 
 

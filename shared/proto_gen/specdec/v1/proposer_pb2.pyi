@@ -50,7 +50,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position", "tenant")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class ProposeSequence(_message.Message):
     SAMPLING_PARAMS_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_POSITION_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -67,7 +68,8 @@ class ProposeSequence(_message.Message):
     sampling_params: _common_pb2.SamplingParams
     target_features: TargetFeatures
     draft_position: int
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start_position", "rows", "hidden_size", "dtype", "data")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.proto_gen.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xd7\x02\n\x17VerifierGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10max_draft_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x15\n\routput_offset\x18\t \x01(\r\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\rB\r\n\x0b_max_tokensB\x13\n\x11_max_draft_tokens\"\x87\x02\n\x18VerifierGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.specdec.v1.Logprobs\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\rB\x10\n\x0e_stop_token_id\"\x19\n\x17VerifierGetStatsRequest\"\xb1\x01\n\x18VerifierGetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.specdec.v1.EngineStats\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x32\xba\x01\n\x08Verifier\x12W\n\x08Generate\x12#.specdec.v1.VerifierGenerateRequest\x1a$.specdec.v1.VerifierGenerateResponse0\x01\x12U\n\x08GetStats\x12#.specdec.v1.VerifierGetStatsRequest\x1a$.specdec.v1.VerifierGetStatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/verifier.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe7\x02\n\x17VerifierGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nsession_id\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x17\n\nmax_tokens\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x1d\n\x10max_draft_tokens\x18\x08 \x01(\rH\x01\x88\x01\x01\x12\x15\n\routput_offset\x18\t \x01(\r\x12\x10\n\x08logprobs\x18\n \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0b \x01(\r\x12\x0e\n\x06tenant\x18\x0c \x01(\tB\r\n\x0b_max_tokensB\x13\n\x11_max_draft_tokens\"\x87\x02\n\x18VerifierGenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\x1a\n\rstop_token_id\x18\x04 \x01(\x05H\x00\x88\x01\x01\x12&\n\x08logprobs\x18\x05 \x01(\x0b\x32\x14.specdec.v1.Logprobs\x12\x16\n\x0e\x64rafted_tokens\x18\x06 \x01(\r\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x07 \x01(\rB\x10\n\x0e_stop_token_id\"\x19\n\x17VerifierGetStatsRequest\"\xb1\x01\n\x18VerifierGetStatsResponse\x12&\n\x05stats\x18\x01 \x01(\x0b\x32\x17.specdec.v1.EngineStats\x12\r\n\x05model\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x1c\n\x14tensor_parallel_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\x32\xba\x01\n\x08Verifier\x12W\n\x08Generate\x12#.specdec.v1.VerifierGenerateRequest\x1a$.specdec.v1.VerifierGenerateResponse0\x01\x12U\n\x08GetStats\x12#.specdec.v1.VerifierGetStatsRequest\x1a$.specdec.v1.VerifierGetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'shared.proto_gen.specdec.v1
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFIERGENERATEREQUEST']._serialized_start=67
-  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=410
-  _globals['_VERIFIERGENERATERESPONSE']._serialized_start=413
-  _globals['_VERIFIERGENERATERESPONSE']._serialized_end=676
-  _globals['_VERIFIERGETSTATSREQUEST']._serialized_start=678
-  _globals['_VERIFIERGETSTATSREQUEST']._serialized_end=703
-  _globals['_VERIFIERGETSTATSRESPONSE']._serialized_start=706
-  _globals['_VERIFIERGETSTATSRESPONSE']._serialized_end=883
-  _globals['_VERIFIER']._serialized_start=886
-  _globals['_VERIFIER']._serialized_end=1072
+  _globals['_VERIFIERGENERATEREQUEST']._serialized_end=426
+  _globals['_VERIFIERGENERATERESPONSE']._serialized_start=429
+  _globals['_VERIFIERGENERATERESPONSE']._serialized_end=692
+  _globals['_VERIFIERGETSTATSREQUEST']._serialized_start=694
+  _globals['_VERIFIERGETSTATSREQUEST']._serialized_end=719
+  _globals['_VERIFIERGETSTATSRESPONSE']._serialized_start=722
+  _globals['_VERIFIERGETSTATSRESPONSE']._serialized_end=899
+  _globals['_VERIFIER']._serialized_start=902
+  _globals['_VERIFIER']._serialized_end=1088
 # @@protoc_insertion_point(module_scope)

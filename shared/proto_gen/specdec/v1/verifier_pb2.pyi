@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifierGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling_params", "max_tokens", "stop_token_ids", "ignore_eos", "max_draft_tokens", "output_offset", "logprobs", "top_logprobs")
+    __slots__ = ("request_id", "session_id", "prompt_token_ids", "sampling_params", "max_tokens", "stop_token_ids", "ignore_eos", "max_draft_tokens", "output_offset", "logprobs", "top_logprobs", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -20,6 +20,7 @@ class VerifierGenerateRequest(_message.Message):
     OUTPUT_OFFSET_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     session_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -31,7 +32,8 @@ class VerifierGenerateRequest(_message.Message):
     output_offset: int
     logprobs: bool
     top_logprobs: int
-    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., output_offset: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., session_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., max_draft_tokens: _Optional[int] = ..., output_offset: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class VerifierGenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "usage", "stop_token_id", "logprobs", "drafted_tokens", "accepted_tokens")
