@@ -22,6 +22,7 @@ import grpc
 from proposer_service.config import ProposerConfig
 from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
+from shared.draft_codec import pack_draft
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
@@ -88,25 +89,6 @@ def _params_usable(params: SamplingParams) -> bool:
     except ValueError:
         return False
     return True
-
-
-def pack_draft(seq_id: str, draft: Draft) -> proposer_pb2.Draft:
-    """Domain draft -> wire draft; sparse probabilities flattened, zero-probability entries left out."""
-    msg = proposer_pb2.Draft(
-        seq_id=seq_id,
-        committed_len=draft.committed_len,
-        draft_token_ids=draft.token_ids,
-        needs_resync=draft.needs_resync,
-    )
-    k = len(draft.token_ids)
-    if draft.probs is not None and k:
-        ids = draft.probs.token_ids[:k].reshape(k, -1)  # [k, n]
-        probs = draft.probs.probs[:k].reshape(k, -1).float()  # [k, n]
-        keep = probs > 0
-        msg.draft_prob_token_ids.extend(ids[keep].tolist())  # row-major: position by position
-        msg.draft_probs.extend(probs[keep].tolist())  # float32 values, exact on the wire
-        msg.draft_prob_counts.extend(keep.sum(dim=1).tolist())
-    return msg
 
 
 # ---- the servicer -------------------------------------------------------------------------------

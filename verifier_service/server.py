@@ -325,7 +325,6 @@ class VerifierServer(ServiceRuntime):
         from shared.model.tp_group import check_tensor_parallel
         from shared.settings import default_target_model
         from verifier_service.builder import build_engine
-        from verifier_service.engine import EngineConfig
 
         name = model_name or config.model or default_target_model()
         tp_size = config.tensor_parallel_size
@@ -357,14 +356,7 @@ class VerifierServer(ServiceRuntime):
                 tls=config.client_tls(config.tls_server_name),
             )
             await proposer.start()
-        engine_config = EngineConfig(
-            num_speculative_tokens=config.num_speculative_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_waiting=config.max_waiting,
-            adaptive_k=config.adaptive_k,
-        )
+        engine_config = config.engine_config(max_model_len)
         block_size = resolve_block_size(config.block_size, config.attention_backend, device)
         cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
         if tp_size > 1:
