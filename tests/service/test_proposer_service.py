@@ -19,10 +19,11 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from proposer_service.builder import ProposerInfo, build_drafter
 from proposer_service.config import ProposerConfig
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.ngram import NgramDrafter
-from proposer_service.server import ProposerInfo, ProposerServer, build_drafter
+from proposer_service.server import ProposerServer
 from shared.config import load_config
 from shared.draft_codec import unpack_draft
 from shared.drafting import Draft, DraftRequest

@@ -16,8 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
-from proposer_service.server import ProposerInfo, ProposerServer
+from proposer_service.server import ProposerServer
 from shared.config import load_config
 from shared.model.build import CacheConfig
 from shared.model.loader import build_model
