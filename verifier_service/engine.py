@@ -45,9 +45,14 @@ class EngineStats:
     stale_drafts: int = 0
 
     @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per draft round: 1 + accepted / draft rounds."""
+    def tokens_per_draft_round(self) -> float:
+        """1 + accepted / draft rounds: tokens per step among the sequence steps that drafted."""
         return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_draft_round."""
+        return self.tokens_per_draft_round
 
     @property
     def acceptance_rate(self) -> float:

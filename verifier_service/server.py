@@ -105,7 +105,8 @@ def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier
                 drafted_tokens=u.drafted_tokens,
                 accepted_tokens=u.accepted_tokens,
                 num_steps=u.num_steps,
-                mean_accepted_length=u.mean_accepted_length,
+                mean_accepted_length=u.tokens_per_step,
+                tokens_per_step=u.tokens_per_step,
             )
         )
         if update.stop_token_id is not None:
@@ -114,33 +115,8 @@ def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier
 
 
 def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
-    return common_pb2.EngineStats(
-        running_requests=s.running_requests,
-        waiting_requests=s.waiting_requests,
-        kv_blocks_total=s.kv_blocks_total,
-        kv_blocks_free=s.kv_blocks_free,
-        kv_blocks_used=s.kv_blocks_used,
-        kv_blocks_cached=s.kv_blocks_cached,
-        kv_block_size=s.kv_block_size,
-        drafted_tokens=s.drafted_tokens,
-        accepted_tokens=s.accepted_tokens,
-        emitted_tokens=s.emitted_tokens,
-        steps=s.steps,
-        sequence_steps=s.sequence_steps,
-        mean_accepted_length=s.mean_accepted_length,
-        acceptance_rate=s.acceptance_rate,
-        preemptions=s.preemptions,
-        proposer_connected=s.proposer_connected,
-        finished_requests=s.finished_requests,
-        aborted_requests=s.aborted_requests,
-        prefix_cache_query_tokens=s.prefix_cache_query_tokens,
-        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        prefix_cache_evictions=s.prefix_cache_evictions,
-        stale_drafts=s.stale_drafts,
-        invalid_drafts=s.invalid_drafts,
-        proposer_fallback_steps=s.proposer_fallback_steps,
-    )
+    """Every EngineStats field from the snapshot's field or property of the same name."""
+    return common_pb2.EngineStats(**{f.name: getattr(s, f.name) for f in common_pb2.EngineStats.DESCRIPTOR.fields})
 
 
 # ---- the servicer -------------------------------------------------------------------------------
