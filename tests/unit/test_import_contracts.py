@@ -1,6 +1,6 @@
-"""The service boundary (DESIGN.md, "Services meet only over gRPC") and the grpc-free service cores are enforced
-by import-linter: the repository keeps the contracts of pyproject.toml, and each contract does break when an
-import crosses its boundary."""
+"""The service boundary (docs/architecture.md: the services meet only over gRPC) and the grpc-free service cores
+are enforced by import-linter: the repository keeps the contracts of pyproject.toml, and each contract does
+break when an import crosses its boundary."""
 
 from __future__ import annotations
 
