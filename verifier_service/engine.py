@@ -34,15 +34,19 @@ RequestError = InvalidRequestError
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
-@dataclass
-class EngineStats:
-    steps: int = 0
-    sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
-    draft_rounds: int = 0  # sequence steps that scored at least one draft token
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
-    stale_drafts: int = 0
+class SpeculationRatios:
+    """The ratios of the speculation counters, for every class that holds them (EngineStats, StatsSnapshot)."""
+
+    sequence_steps: int
+    draft_rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Emitted / sequence steps: tokens per sequence per step, steps that drafted nothing included."""
+        return self.emitted_tokens / self.sequence_steps if self.sequence_steps else 0.0
 
     @property
     def tokens_per_draft_round(self) -> float:
@@ -50,13 +54,19 @@ class EngineStats:
         return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
 
     @property
-    def mean_accepted_length(self) -> float:
-        """Deprecated name of tokens_per_draft_round."""
-        return self.tokens_per_draft_round
-
-    @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
+@dataclass
+class EngineStats(SpeculationRatios):
+    steps: int = 0
+    sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
+    draft_rounds: int = 0  # sequence steps that scored at least one draft token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
+    stale_drafts: int = 0
 
 
 class StepObserver(Protocol):
