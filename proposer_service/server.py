@@ -207,6 +207,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             feature_start,
             seq.draft_position,
             seq.tenant,
+            seq.max_tree_nodes if k > 0 else 0,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:

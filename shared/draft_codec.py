@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from shared.drafting import Draft, SparseProbs
+from shared.drafting import Draft, SparseProbs, tree_depths
 from shared.proto_gen.specdec.v1 import proposer_pb2
 
 PROB_SUM_TOLERANCE = 1e-3  # float32 probabilities over a few thousand ids sum to 1 within ~1e-5
@@ -22,6 +22,7 @@ def pack_draft(seq_id: str, draft: Draft) -> proposer_pb2.Draft:
         committed_len=draft.committed_len,
         draft_token_ids=draft.token_ids,
         needs_resync=draft.needs_resync,
+        draft_parents=draft.parents or [],
     )
     k = len(draft.token_ids)
     if draft.probs is not None and k:
@@ -34,17 +35,19 @@ def pack_draft(seq_id: str, draft: Draft) -> proposer_pb2.Draft:
     return msg
 
 
-def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = None) -> Draft:
+def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = None, max_tree_nodes: int = 0) -> Draft:
     """Wire draft -> domain draft (probabilities exactly as sent, float32).
 
     The proposer is untrusted input: raises ValueError for a draft that would make verification wrong or
-    crash: more tokens than the `max_k` asked for, ids outside the target vocabulary, inconsistent counts,
-    negative or non-finite probabilities, a distribution that does not sum to 1, or a drafted token that
+    crash: more tokens (or a deeper tree) than the `max_k` asked for, a tree where none was asked for or with
+    more than `max_tree_nodes` nodes or parents out of order, ids outside the target vocabulary, inconsistent
+    counts, negative or non-finite probabilities, a distribution that does not sum to 1, or a drafted token that
     has no positive probability in the distribution it was supposedly sampled from.
     """
     token_ids = list(msg.draft_token_ids)
     k = len(token_ids)
-    if max_k is not None and k > max_k:
+    parents = _tree_parents(msg, max_k, max_tree_nodes)
+    if parents is None and max_k is not None and k > max_k:
         raise ValueError(f"{k} draft tokens where at most {max_k} were asked for")
     if any(not 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"draft token ids outside the vocabulary [0, {vocab_size})")
@@ -52,7 +55,7 @@ def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = N
     if not counts or not k:
         if counts and sum(counts):
             raise ValueError("draft probabilities without draft tokens")
-        return Draft(msg.seq_id, msg.committed_len, token_ids, None, msg.needs_resync)
+        return Draft(msg.seq_id, msg.committed_len, token_ids, None, msg.needs_resync, parents)
     total = len(msg.draft_probs)
     if len(counts) != k or sum(counts) != total or len(msg.draft_prob_token_ids) != total or min(counts) < 1:
         raise ValueError(f"draft_prob_counts {counts} do not match {k} draft tokens and {total} probabilities")
@@ -79,4 +82,23 @@ def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = N
     drafted = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)  # [k, 1]
     if not bool(((ids == drafted) & (probs > 0)).any(dim=1).all()):
         raise ValueError("a drafted token has no positive probability in its draft distribution")
-    return Draft(msg.seq_id, msg.committed_len, token_ids, SparseProbs(ids, probs), msg.needs_resync)
+    return Draft(msg.seq_id, msg.committed_len, token_ids, SparseProbs(ids, probs), msg.needs_resync, parents)
+
+
+def _tree_parents(msg: proposer_pb2.Draft, max_k: int | None, max_tree_nodes: int) -> list[int] | None:
+    """The draft's tree (None: a chain), checked: asked for, no bigger or deeper than asked, topological."""
+    if not msg.draft_parents:
+        return None
+    parents = list(msg.draft_parents)
+    if max_tree_nodes <= 0:
+        raise ValueError("a token tree where only a chain was asked for")
+    if len(parents) != len(msg.draft_token_ids):
+        raise ValueError(f"{len(parents)} parents for {len(msg.draft_token_ids)} tree nodes")
+    if len(parents) > max_tree_nodes:
+        raise ValueError(f"a tree of {len(parents)} nodes where at most {max_tree_nodes} were asked for")
+    if any(not -1 <= parent < node for node, parent in enumerate(parents)):
+        raise ValueError("tree parents must come before their children (-1: the committed prefix)")
+    depth = max(tree_depths(parents))
+    if max_k is not None and depth > max_k:
+        raise ValueError(f"a tree {depth} deep where at most {max_k} was asked for")
+    return parents

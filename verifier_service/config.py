@@ -20,6 +20,8 @@ class EngineConfig:
     # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
     adaptive_k: bool = True
     probe_interval: int = 16  # steps between k = 1 probes of sequences the policy keeps at k = 0
+    # Token trees: at most this many draft nodes per sequence (depth <= num_speculative_tokens); 0: chains only.
+    max_tree_nodes: int = 0
 
 
 ENGINE_DEFAULTS = EngineConfig()

@@ -311,6 +311,7 @@ class RemoteProposer:
                 sampling_params=sampling_params_to_proto(r.params),
                 draft_position=r.draft_position,
                 tenant=r.tenant,
+                max_tree_nodes=r.max_tree_nodes,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))
@@ -365,7 +366,7 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k)
+                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k, max_tree_nodes=sent.max_tree_nodes)
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))
