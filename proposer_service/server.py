@@ -84,6 +84,8 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self.invalid_features = 0
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        if request.max_tree_nodes:
+            log.info("verifier %s scores token trees of up to %d nodes", context.peer(), request.max_tree_nodes)
         return self.info.to_proto()
 
     async def Propose(  # type: ignore[override]

@@ -73,6 +73,7 @@ class RemoteProposer:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
+        max_tree_nodes: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
@@ -87,6 +88,7 @@ class RemoteProposer:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
+        self.max_tree_nodes = max_tree_nodes  # stated at the handshake; each sequence's bound travels with it
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -166,7 +168,8 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
+            handshake = proposer_pb2.GetInfoRequest(max_tree_nodes=self.max_tree_nodes)
+            info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
