@@ -24,6 +24,7 @@ from shared.model.attention import tree_of_parents
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams
 from verifier_service import grammar_masks
+from verifier_service.calibration import calibrate
 from verifier_service.config import EngineConfig
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
@@ -225,6 +226,7 @@ class Engine:
             self.add_request(f"warm-up-{i}", prompt, params)
         while self.has_unfinished():
             self.step()
+        calibrate(self)  # the policy's scoring times, per batch size and draft length
         for counters in (self.stats, self.scheduler.prefix_cache):  # in place: telemetry holds these objects
             for name in vars(counters):
                 setattr(counters, name, 0)
@@ -269,7 +271,7 @@ class Engine:
         if observer is not None:
             observer.step_started(batch)
         start = time.perf_counter()
-        drafts, ingesting = self._propose(batch)
+        drafts, catch_up = self._propose(batch)
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
@@ -277,13 +279,12 @@ class Engine:
         masks = self._masks.start([(s.seq, drafts.get(s.seq.seq_id)) for s in sampling]) if self._masks else None
         logits, hidden = self._score(batch, drafts)  # the masks are computed meanwhile
         scored = time.perf_counter()
-        if not ingesting:  # a prompt's early ingest would count as drafting cost
-            self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         rows = [
             ScoredRow(s.seq, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples
         ]
         emitted = verify(rows, self._masks.finish(masks) if self._masks else {}, self.runner.vocab_size)
         verified = time.perf_counter()
+        self._measure_costs(batch, drafts, proposed - start, verified - proposed, catch_up)  # scoring + verifying
         self.stats.steps += 1
         outputs = self._commit_step(batch, rows, emitted, hidden)
         if observer is not None:
@@ -357,54 +358,41 @@ class Engine:
         # index_select copies: a view would keep the step's whole batch
         seq.features.add(seq.num_computed, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
 
-    def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
-        if drafts:
-            draft_positions = max(len(d.token_ids) for d in drafts.values())
-            self.scheduler.cost_ratio.update(propose_s, draft_positions, score_s)
-        if all(s.samples and s.num_feed == 1 for s in batch):  # prefill chunks would skew the per-token cost
-            query_tokens = len(batch) + sum(len(d.token_ids) for d in drafts.values())
-            self.scheduler.scoring_cost.update(query_tokens, score_s)
+    def _measure_costs(
+        self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float, catch_up: bool
+    ) -> None:
+        """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs)."""
+        if not all(s.samples and s.num_feed == 1 for s in batch):
+            return
+        policy = self.scheduler.policy
+        policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
+        asked = [s for s in batch if s.k > 0]
+        if asked and not catch_up:
+            policy.record_propose(len(batch), max(s.k for s in asked), any(s.tree_nodes for s in asked), propose_s)
 
     def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:
         """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is
         also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
-        catching up on all of it in the first draft round. Returns (drafts, whether any prompt was sent)."""
+        catching up on all of it in the first draft round. A drafter that can be told without waiting
+        (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
+        so that a later probe carries no stale catch-up. Returns (drafts, whether the call carried a catch-up:
+        a prompt, or more than one step's tokens: its time is not what a drafting round costs)."""
         if self.drafter is None:
             return {}, False
-        scheduled = []
+        drafting, following = [], []
         for s in batch:
             seq = s.seq
             committed = len(seq.tokens) if s.samples else seq.num_computed + s.num_feed
             if (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
-                scheduled.append((s, committed))
-        if not scheduled:
+                drafting.append((s, self._draft_request(s, committed)))
+            elif s.samples and committed > seq.num_sent_to_proposer and hasattr(self.drafter, "notify"):
+                following.append(self._draft_request(s, committed))
+        if following:
+            self.drafter.notify(following)  # type: ignore[attr-defined]
+        if not drafting:
             return {}, False
-        requests = []
-        for s, committed in scheduled:
-            seq = s.seq
-            new = seq.tokens[seq.num_sent_to_proposer : committed]
-            feature_start, features = 0, None
-            if seq.features is not None and self.keeps_features:
-                feature_start, features = seq.features.since(seq.num_features_sent)
-                seq.num_features_sent = seq.features.end
-            k = s.k if s.samples else 0
-            requests.append(
-                DraftRequest(
-                    seq.seq_id,
-                    committed,
-                    new,
-                    k,
-                    seq.params,
-                    features,
-                    feature_start,
-                    seq.output_position,
-                    seq.tenant,
-                    s.tree_nodes if s.samples else 0,
-                )
-            )
-            seq.num_sent_to_proposer = committed
         drafts = {}
-        for (s, _), draft in zip(scheduled, self.drafter.propose(requests), strict=True):
+        for (s, _), draft in zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True):
             if draft.needs_resync:
                 s.seq.num_sent_to_proposer = 0
                 s.seq.num_features_sent = 0
@@ -415,7 +403,24 @@ class Engine:
                 continue
             if draft.token_ids:
                 drafts[draft.seq_id] = trim(draft, s.draft_slots)
-        return drafts, any(not s.samples for s, _ in scheduled)
+        step_tokens = self.config.num_speculative_tokens + 1  # the most one step commits
+        catch_up = any(not s.samples or len(r.new_token_ids) > step_tokens for s, r in drafting)
+        return drafts, catch_up
+
+    def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
+        """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's
+        draft shape (k = 0 for a prompt chunk or a sequence that does not draft)."""
+        seq = s.seq
+        new = seq.tokens[seq.num_sent_to_proposer : committed]
+        feature_start, features = 0, None
+        if seq.features is not None and self.keeps_features:
+            feature_start, features = seq.features.since(seq.num_features_sent)
+            seq.num_features_sent = seq.features.end
+        seq.num_sent_to_proposer = committed
+        k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
+        return DraftRequest(
+            seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes
+        )
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq
@@ -470,7 +475,10 @@ class Engine:
         self.stats.emitted_tokens += num_emitted
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
-            seq.acceptance.update(draft.depth(), num_accepted)  # per position: a tree's depth is its chain
+            if draft.is_tree:
+                seq.acceptance.update_tree(num_accepted)
+            else:
+                seq.acceptance.update(k, num_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

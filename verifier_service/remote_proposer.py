@@ -277,6 +277,17 @@ class RemoteProposer:
             return self._fallback(requests)
         return self._unpack(requests, message, response, call, loop)
 
+    def notify(self, requests: list[DraftRequest]) -> None:
+        """Send sequences' committed tokens (k = 0) without waiting for the answer: the proposer follows them off
+        the verifier's critical path. It applies the message in order, before the next one; its empty reply is
+        dropped. Without a stream nothing is sent, and the next call resends what is missing (needs_resync)."""
+        call, loop = self._call, self._loop
+        if not requests or not self._connected or call is None or loop is None:
+            return
+        message = self._build_request(requests)
+        future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error surfaces on the next call
+
     def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         if self._connected:
             log.warning(
