@@ -13,7 +13,7 @@ import torch
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
 from shared.sampling import SamplingParams
-from tests.law import first_two_token_counts, law_pvalue, two_token_law
+from tests.law import WrongDraftLaw, first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import tiny_hf_model
 from tests.unit.test_engine import VOCAB, engine_with
 
@@ -30,24 +30,6 @@ def bf16_model(hf_model):
     return build_model(arch, hf_model.state_dict(), torch.bfloat16), arch
 
 
-class _WrongDraftLaw:
-    """Reports every draft as uniform over its listed ids, whatever the draft model's probabilities were."""
-
-    def __init__(self, inner) -> None:
-        self.inner = inner
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def propose(self, requests):
-        drafts = self.inner.propose(requests)
-        for draft in drafts:
-            if draft.probs is not None:
-                listed = (draft.probs.probs > 0).float()
-                draft.probs.probs.copy_(listed / listed.sum(-1, keepdim=True))
-        return drafts
-
-
 def _law_pvalues(target_hf_bf16, wrong_draft_law: bool, n: int) -> tuple[list[float], object]:
     target = bf16_model(target_hf_bf16)
     # The draft model is a second copy of the target, its drafts truncated to their top 8: close enough that a
@@ -57,7 +39,7 @@ def _law_pvalues(target_hf_bf16, wrong_draft_law: bool, n: int) -> tuple[list[fl
     engine = engine_with(target, draft, k=3, max_num_seqs=64, max_waiting=5000, max_model_len=16)
     engine.drafter.top_n = 8  # truncated drafts
     if wrong_draft_law:
-        engine.drafter = _WrongDraftLaw(engine.drafter)
+        engine.drafter = WrongDraftLaw(engine.drafter)
     assert engine.runner.model.embed_tokens.weight.dtype == torch.bfloat16
     params = SamplingParams(temperature=TEMPERATURE, max_tokens=4, ignore_eos=True)
     counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
