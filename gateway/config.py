@@ -49,6 +49,10 @@ class GatewayConfig(TLSConfig):
     max_prompt_chars: int = field(
         default=1_000_000, metadata=_help("longest text prompt, in characters (checked before tokenizing)")
     )
+    max_messages: int = field(
+        default=1024,
+        metadata=_help("most chat messages per request (their roles and contents count in max_prompt_chars)"),
+    )
     max_prompt_tokens: int = field(
         default=131_072, metadata=_help("most prompt tokens (prompt_token_ids, or the tokenized text)")
     )
@@ -147,7 +151,7 @@ class GatewayConfig(TLSConfig):
             )
         for name in (
             "default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars",
-            "max_prompt_chars", "max_prompt_tokens", "max_request_bytes", "max_concurrent_rpcs",
+            "max_prompt_chars", "max_prompt_tokens", "max_messages", "max_request_bytes", "max_concurrent_rpcs",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

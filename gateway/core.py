@@ -35,6 +35,7 @@ from gateway.backends import BackendPool
 from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from shared.errors import (
+    InternalError,
     InvalidRequestError,
     OverloadedError,
     RateLimitedError,
@@ -236,6 +237,13 @@ class GatewayCore:
             )
             self.telemetry.failed(run.traced, *status_of(err))
             raise
+        except Exception as err:  # a bug: the log gets the exception, the client a generic message to quote
+            log.exception("event=internal_error request_id=%s client_request_id=%r", run.request_id, client_id)
+            internal = InternalError(
+                f"internal error (request id {run.client_request_id}); the server's log has the details"
+            )
+            self.telemetry.failed(run.traced, *status_of(internal))
+            raise internal from err
         finally:
             self.telemetry.failed(run.traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
             self.counters.active_requests -= 1
@@ -306,8 +314,16 @@ class GatewayCore:
         run.failed_backends.add(address)
         self.pool.mark_failed(address, str(err))
         if run.resumes >= self.config.max_resumes:
+            # The verifiers' addresses and errors stay in the log: a client learns nothing of the pods behind us.
+            log.warning(
+                "event=gave_up request_id=%s verifiers_tried=%d last_error=%r",
+                run.request_id,
+                run.resumes + 1,
+                str(err),
+            )
             raise UnavailableError(
-                f"the request failed on {run.resumes + 1} verifiers in turn; last error: {err}"
+                f"the request failed on {run.resumes + 1} verifiers in turn (request id {run.client_request_id}); "
+                "retry later"
             ) from None
         run.resumes += 1
         self.counters.resumed_requests += 1

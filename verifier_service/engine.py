@@ -18,7 +18,7 @@ import torch
 
 from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore, SparseProbs
 from shared.errors import InvalidRequestError, QueueFullError
-from shared.grammar import GrammarCompiler, mask_logits_
+from shared.grammar import GrammarCompiler, GrammarMatcher, mask_logits_
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.runner import ForwardItem, ModelRunner
@@ -167,12 +167,14 @@ class Engine:
         output_offset: int = 0,
         num_logprobs: int | None = None,
         tenant: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
         `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
         seeded sampling's output positions start. `num_logprobs`: None, or report each emitted token's
         log-probability with that many top alternatives (shared/logprobs.py). `tenant`: the API key's name
-        ('' = anonymous), passed to the drafter."""
+        ('' = anonymous), passed to the drafter. `grammar`: the request's matcher from `build_grammar`, built
+        beforehand off the engine's loop (EngineLoop does); without it a format is compiled here."""
         self._validate(request_id, prompt_ids, params)
         if num_logprobs is not None and not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, self.runner.vocab_size):
             raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {num_logprobs}")
@@ -191,13 +193,22 @@ class Engine:
             tenant=tenant,
         )
         if params.structured_output is not None:
-            if self.grammar is None:
-                raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
-            seq.grammar = self.grammar.matcher(params.structured_output)
-            # A resumed request's emitted tokens end its prompt: the format continues after them.
-            seq.grammar.consume(prompt_ids[len(prompt_ids) - output_offset :])
+            seq.grammar = grammar or self.build_grammar(params, prompt_ids, output_offset)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def build_grammar(self, params: SamplingParams, prompt_ids: list[int], output_offset: int = 0) -> GrammarMatcher:
+        """The matcher of a request's format, advanced past a resumed request's output. Thread-safe and
+        touches no engine state: EngineLoop runs it in a worker thread while the engine steps."""
+        assert params.structured_output is not None
+        if self.grammar is None:
+            raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
+        if not 0 <= output_offset <= len(prompt_ids):
+            raise RequestError(f"output_offset must lie in [0, {len(prompt_ids)}] (the prompt), got {output_offset}")
+        matcher = self.grammar.matcher(params.structured_output)
+        # A resumed request's emitted tokens end its prompt: the format continues after them.
+        matcher.consume(prompt_ids[len(prompt_ids) - output_offset :])
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
