@@ -166,11 +166,31 @@ class GatewayCore:
         self.router = pool.router
         self.config = frontend.config
         self.counters = GatewayCounters()
+        self.active_generations = 0  # admitted generation requests of both front ends, until their grant is released
         self.telemetry = GatewayTelemetry(telemetry or Telemetry("specdec-gateway"), self.counters)
 
     def admit(self, authorization: Iterable[str], peer: str, limits: bool = True) -> Grant:
         """The caller's API key (UNAUTHENTICATED) and its limits (RESOURCE_EXHAUSTED), before any work.
-        `authorization`: the values of the caller's authorization headers ('Bearer <key>')."""
+        `authorization`: the values of the caller's authorization headers ('Bearer <key>'). With `limits` (a
+        generation request) one of the --max-concurrent-rpcs generation slots of both ports is taken too:
+        the gRPC server's own cap is set above it, so health checks always find room."""
+        grant = self._admit_key(authorization, peer, limits)
+        if not limits:
+            return grant
+        if self.active_generations >= self.config.max_concurrent_rpcs:
+            grant.release()
+            self.telemetry.rate_limited.add(1, {"api_key": grant.name, "limit": "gateway_streams"})
+            raise OverloadedError(
+                f"this gateway is serving {self.active_generations} requests, its limit; retry in 1 s", 1
+            )
+        self.active_generations += 1
+        grant.hold(self._release_generation)
+        return grant
+
+    def _release_generation(self) -> None:
+        self.active_generations -= 1
+
+    def _admit_key(self, authorization: Iterable[str], peer: str, limits: bool) -> Grant:
         if self.auth is None:
             return Grant()
         values = list(authorization)

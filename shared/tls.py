@@ -7,7 +7,8 @@ the other services when it has one (verifying them against it, presenting its ow
 
 Certificates rotate without a restart: the server's credentials re-read the files whenever their stat
 changes (a Kubernetes Secret volume swaps a symlink), checked on each new connection's handshake; streams
-already running keep their connection. Clients read the files when they open a channel.
+already running keep their connection. The gateway's HTTPS port (uvicorn, the stdlib's ssl) does the same
+through ReloadingSSLContext. Clients read the files when they open a channel.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import ipaddress
 import logging
 import os
 import ssl
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -177,6 +179,44 @@ class ReloadingServerCertificates:
         self.reloads += 1
         log.info("event=tls_reloaded cert_file=%s", self.files[0])
         return config
+
+
+class ReloadingSSLContext:
+    """The same rotation for a server on the stdlib's ssl (the gateway's HTTPS port): `maybe_reload`, called
+    for each new connection before its handshake, stats the files and, when they changed and load as a
+    matching set, loads them into the live context, so new connections get the new certificate while open
+    ones keep theirs. A set that does not load keeps the previous one and is tried again next time. The CA
+    file only adds: a CA once trusted stays trusted until a restart."""
+
+    def __init__(self, context: ssl.SSLContext, cert_file: str, key_file: str, ca_file: str = "") -> None:
+        self.context = context
+        self.files = (cert_file, key_file, ca_file)
+        self._signature = _signature([p for p in self.files if p])
+        self.reloads = 0
+
+    def maybe_reload(self) -> bool:
+        signature = _signature([p for p in self.files if p])
+        if signature == self._signature:
+            return False
+        try:
+            material = load_material(*self.files)
+        except TLSError as err:
+            log.warning("event=tls_reload_failed keeping=previous error=%s", err)
+            return False
+        # The context reads files only: load the bytes just checked (not the paths, which may change again
+        # between the check and the load) from a private temporary folder.
+        with tempfile.TemporaryDirectory(prefix="specdec-tls-") as folder:
+            cert, key = os.path.join(folder, "tls.crt"), os.path.join(folder, "tls.key")
+            for path, data in ((cert, material.cert), (key, material.key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            self.context.load_cert_chain(cert, key)
+        if material.ca is not None:
+            self.context.load_verify_locations(cadata=material.ca.decode())
+        self._signature = signature
+        self.reloads += 1
+        log.info("event=tls_reloaded cert_file=%s", self.files[0])
+        return True
 
 
 def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
