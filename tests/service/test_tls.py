@@ -313,3 +313,58 @@ def test_health_probe_over_mutual_tls(pki, monkeypatch):
             await proposer.shutdown(0.1)
 
     run(body())
+
+
+def https_peer_certificate(port: int, client: Identity) -> bytes:
+    """The certificate a NEW HTTPS connection gets from the gateway's HTTP port (no client certificate)."""
+    context = ssl.create_default_context(cafile=str(client.dir / "ca.crt"))
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
+        context.wrap_socket(sock, server_hostname=SERVER_NAME) as tls,
+    ):
+        der = tls.getpeercert(binary_form=True)
+    assert der is not None
+    return der
+
+
+def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_completes(pki):
+    """Issue 26, point 6: uvicorn read the certificate once; now each new connection checks the files first."""
+    from tests.service.test_gateway import free_port, start_fake
+
+    tokenizer = load_tokenizer(default_target_model())
+
+    async def body():
+        import httpx
+
+        fs = await start_fake(delay=0.05)
+        config = GatewayConfig(
+            verifiers=(fs.address,), host="127.0.0.1", port=0, http_port=free_port(), drain_timeout_s=0.5,
+            health_check_interval_s=0.2, tls_cert_file=pki["gateway"].files["tls_cert_file"],
+            tls_key_file=pki["gateway"].files["tls_key_file"],  # no CA: plaintext to the fake verifier
+        )  # fmt: skip
+        gateway = await start_gateway(config, tokenizer=tokenizer)
+        port = gateway.http.port
+        ca = str(pki["client"].dir / "ca.crt")
+        try:
+            before = await asyncio.to_thread(https_peer_certificate, port, pki["client"])
+            async with httpx.AsyncClient(
+                base_url=f"https://localhost:{port}", verify=ssl.create_default_context(cafile=ca)
+            ) as http:
+                body = {"prompt": "Hi", "max_tokens": 40, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                    lines = stream.aiter_lines()
+                    assert (await anext(lines)).startswith("data: ")
+                    rotated = pki["gateway"].rotate(pki["cluster"])  # the Secret is updated: no restart
+                    after = await asyncio.to_thread(https_peer_certificate, port, pki["client"])
+                    assert after == rotated != before
+                    rest = [line async for line in lines if line]
+                    assert rest[-1] == "data: [DONE]"  # the stream opened before the rotation ended normally
+            # A half-rotated Secret (the key of another certificate) keeps the current one.
+            trustme.CA().issue_cert(SERVER_NAME).private_key_pem.write_to_path(str(pki["gateway"].dir / "tls.key"))
+            assert await asyncio.to_thread(https_peer_certificate, port, pki["client"]) == rotated
+            assert gateway.http.tls is not None and gateway.http.tls.reloads == 1
+        finally:
+            await gateway.stop(0)
+            await fs.server.stop(0)
+
+    run(body())
