@@ -522,7 +522,8 @@ class GatewayCore:
             drafted_tokens=acct.drafted,
             accepted_tokens=min(acct.accepted, acct.drafted),
             num_steps=acct.steps,
-            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
+            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,  # deprecated: tokens_per_step
+            tokens_per_step=completion / acct.steps if acct.steps else 0.0,
         )
 
 

@@ -49,8 +49,13 @@ class RequestUsage:
     num_steps: int = 0  # engine steps that emitted tokens for this request
 
     @property
-    def mean_accepted_length(self) -> float:
+    def tokens_per_step(self) -> float:
         return self.completion_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,8 @@ class Update:
 
 @dataclass(frozen=True)
 class StatsSnapshot:
-    """The fields of the proto EngineStats, plus the proposer fallback counters."""
+    """The engine's counters and gauges at one moment: the proto EngineStats, field for field (its ratios are
+    the properties below; server.stats_to_proto copies every proto field by name)."""
 
     running_requests: int
     waiting_requests: int
@@ -85,8 +91,7 @@ class StatsSnapshot:
     emitted_tokens: int
     steps: int
     sequence_steps: int
-    mean_accepted_length: float  # emitted_tokens / sequence_steps
-    acceptance_rate: float  # accepted_tokens / drafted_tokens
+    draft_rounds: int
     preemptions: int
     proposer_connected: bool
     finished_requests: int
@@ -97,6 +102,23 @@ class StatsSnapshot:
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which served from the prefix cache
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.emitted_tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def tokens_per_draft_round(self) -> float:
+        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -375,8 +397,7 @@ class EngineLoop:
             emitted_tokens=s.emitted_tokens,
             steps=s.steps,
             sequence_steps=s.sequence_steps,
-            mean_accepted_length=s.emitted_tokens / s.sequence_steps if s.sequence_steps else 0.0,
-            acceptance_rate=s.acceptance_rate,
+            draft_rounds=s.draft_rounds,
             preemptions=engine.scheduler.num_preemptions,
             proposer_connected=self.proposer is not None and self.proposer.connected,
             finished_requests=self.finished_requests,
