@@ -34,7 +34,7 @@ from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
-from shared.tls import add_port, check_files_or_exit
+from shared.tls import add_port, check_files_or_exit, server_interceptors
 
 log = logging.getLogger("specdec.proposer")
 
@@ -268,7 +268,7 @@ class ProposerServer(ServiceRuntime):
         if telemetry is None:
             telemetry = setup_telemetry("specdec-proposer", metrics_port=config.metrics_port, metrics_host=config.host)
         servicer = ProposerServicer(drafter, info, telemetry)
-        server = new_server(telemetry.server_interceptors())
+        server = new_server([*telemetry.server_interceptors(), *server_interceptors(config)])
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = add_port(server, config.host, config.port, config, "proposer")

@@ -53,6 +53,14 @@ class TLSConfig:
             "against it, presenting --tls-cert-file) for the channels to the other services"
         },
     )
+    tls_allowed_client_names: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "comma-separated names (a certificate's common name or one of its DNS names) whose client "
+            "certificates may call this service's API; health and reflection stay open to every certificate the "
+            "CA signed. Empty: any such certificate (the cluster CA alone decides)"
+        },
+    )
     tls_require_client_cert: bool | None = field(
         default=None,
         metadata={
@@ -65,6 +73,8 @@ class TLSConfig:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             given, missing = ("--tls-cert-file", "--tls-key-file")[:: 1 if self.tls_cert_file else -1]
             raise ValueError(f"{given} needs {missing}: a certificate and its key go together")
+        if self.tls_allowed_client_names and not self.require_client_cert:
+            raise ValueError("--tls-allowed-client-names needs client certificates (--tls-ca-file, required)")
         if self.tls_require_client_cert:
             if not self.tls_cert_file:
                 raise ValueError("--tls-require-client-cert needs --tls-cert-file/--tls-key-file (a TLS server)")
@@ -225,6 +235,72 @@ def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
     return grpc.dynamic_ssl_server_credentials(
         fetcher.initial, fetcher, require_client_authentication=config.require_client_cert
     )
+
+
+class ClientNameCheck(grpc.aio.ServerInterceptor):
+    """Admits a call to the service's API only from a client certificate that names one of `names` (its common
+    name or a DNS name): a certificate from the same CA issued to another service (the proposer's, calling the
+    verifier) gets PERMISSION_DENIED. Health and reflection stay open to every certificate (the probes present
+    the pod's own)."""
+
+    OPEN = ("/grpc.health.v1.", "/grpc.reflection.")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN):
+            return handler
+        return _checked(handler, self._check)
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        auth = context.auth_context()
+        presented = {
+            value.decode(errors="replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in auth.get(key, [])
+        }
+        if not presented & self.names:
+            log.warning("event=client_name_refused presented=%s", ",".join(sorted(presented)) or "-")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this client certificate may not call this service")
+
+
+def _checked(handler: Any, check: Any) -> Any:
+    """`handler` with `check(context)` run before its behaviour (any of the four call shapes)."""
+    if handler.request_streaming and handler.response_streaming:
+        behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    if handler.response_streaming:
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async for message in result:
+                    yield message
+            else:  # a handler that writes with context.write
+                await result
+
+        wrapped: Any = streaming
+    else:
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await behavior(request, context)
+
+        wrapped = unary
+    return make(wrapped, handler.request_deserializer, handler.response_serializer)
+
+
+def server_interceptors(config: TLSConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The client-name check when --tls-allowed-client-names is set."""
+    return [ClientNameCheck(config.tls_allowed_client_names)] if config.tls_allowed_client_names else []
 
 
 def is_loopback(host: str) -> bool:

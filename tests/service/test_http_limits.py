@@ -255,14 +255,14 @@ BAD_BODIES: list[tuple[str, dict[str, Any], str]] = [
 def test_out_of_range_numbers_deep_schemas_and_huge_chats_are_400(tokenizer, path, body, words):
     async def scenario() -> None:
         fs = await start_fake()
-        async with http_harness(tokenizer, [fs], max_request_bytes=8 << 20) as h:
-            async with httpx.AsyncClient(base_url=h.gateway.http_url, timeout=20) as http:
-                reply = await http.post(path, json=body)
-                assert reply.status_code == 400, reply.text[:300]
-                assert words in reply.json()["error"]["message"]
-                assert fs.fake.requests == []
-                ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
-                assert ok.status_code == 200
+        harness = http_harness(tokenizer, [fs], max_request_bytes=8 << 20)
+        async with harness as h, httpx.AsyncClient(base_url=h.gateway.http_url, timeout=20) as http:
+            reply = await http.post(path, json=body)
+            assert reply.status_code == 400, reply.text[:300]
+            assert words in reply.json()["error"]["message"]
+            assert fs.fake.requests == []
+            ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+            assert ok.status_code == 200
 
     run(scenario())
 

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import client as cli
 from gateway import health_probe
@@ -55,7 +56,8 @@ class Identity:
     def rotate(self, ca: trustme.CA) -> bytes:
         """A new leaf from `ca`; returns its DER."""
         self.version += 1
-        leaf = ca.issue_cert(SERVER_NAME, "127.0.0.1", common_name=f"{self.dir.name}-v{self.version}")
+        # The folder's name is also a DNS name of the certificate: the identity --tls-allowed-client-names checks.
+        leaf = ca.issue_cert(SERVER_NAME, "127.0.0.1", self.dir.name, common_name=f"{self.dir.name}-v{self.version}")
         data = self.dir / f"..v{self.version}"
         data.mkdir()
         leaf.cert_chain_pems[0].write_to_path(str(data / "tls.crt"))
@@ -367,5 +369,36 @@ def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_co
         finally:
             await gateway.stop(0)
             await fs.server.stop(0)
+
+    run(body())
+
+
+def test_only_the_allowed_client_certificate_may_call_the_verifiers_api(pki):
+    """Issue 26, point 9: every service's certificate comes from one CA, so mutual TLS alone would let the
+    proposer's certificate call the verifier's Generate. --tls-allowed-client-names admits the gateway's only;
+    health stays open to every certificate of the CA (the pods' own probes)."""
+
+    async def body():
+        verifier = await start_verifier(**pki["verifier"].files, tls_allowed_client_names=("gateway",))
+        try:
+            assert (await get_stats(verifier.port, pki["gateway"].client())).model
+            for name in ("proposer", "client"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await get_stats(verifier.port, pki[name].client())
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+                async with aio_channel(f"127.0.0.1:{verifier.port}", pki[name].client()) as channel:
+                    stub = verifier_pb2_grpc.VerifierStub(channel)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in stub.Generate(
+                            verifier_pb2.VerifierGenerateRequest(prompt_token_ids=[1, 2], max_tokens=2)
+                        ):
+                            pass
+                    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert health.status == health_pb2.HealthCheckResponse.SERVING
+            for name, tls in clients(pki).items():  # the CA still decides first: refused before any name check
+                await refused(get_stats(verifier.port, tls), name)
+        finally:
+            await verifier.shutdown(0)
 
     run(body())
