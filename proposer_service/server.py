@@ -84,6 +84,13 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self.invalid_features = 0
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        # A verifier drops drafts wider than it accepts: draft from no more top tokens than it said.
+        top_n = getattr(self.drafter, "top_n", None)
+        if request.max_draft_support and top_n is not None and top_n > request.max_draft_support:
+            log.warning(
+                "draft top-n lowered from %d to %d: the verifier's max_draft_support", top_n, request.max_draft_support
+            )
+            self.drafter.top_n = request.max_draft_support
         return self.info.to_proto()
 
     async def Propose(  # type: ignore[override]

@@ -63,6 +63,9 @@ class Draft:
     token_ids: list[int]  # at most k; fewer (even none) is allowed
     probs: SparseProbs | None = None  # None: each token was chosen deterministically (one-hot)
     needs_resync: bool = False  # the drafter lacks this sequence's history: resend it whole
+    # No draft because the drafter could not be reached (a remote proposer down or late): a resync it implies
+    # costs nothing until the proposer is back, so the verifier's resync budget does not count it.
+    unreachable: bool = False
 
 
 class Drafter(Protocol):

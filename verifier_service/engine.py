@@ -8,6 +8,7 @@ The core has no gRPC in it; the service drives `step()` from a worker thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,9 @@ from verifier_service.verify import ScoredRow, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
+log = logging.getLogger("specdec.verifier.engine")
+RESYNC_BURST = 3  # whole-history resends a sequence may ask for in a row ...
+RESYNC_REFILL_TOKENS = 64  # ... and one more per this many tokens committed since
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
@@ -43,6 +47,7 @@ class EngineStats:
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
     stale_drafts: int = 0
+    resyncs_refused: int = 0  # sequences turned to k = 0: their proposer asked for their history too often
 
     @property
     def tokens_per_draft_round(self) -> float:
@@ -380,8 +385,7 @@ class Engine:
         drafts = {}
         for (s, _), draft in zip(scheduled, self.drafter.propose(requests), strict=True):
             if draft.needs_resync:
-                s.seq.num_sent_to_proposer = 0
-                s.seq.num_features_sent = 0
+                self._resync(s.seq, charged=not draft.unreachable)
             if not s.samples:
                 continue  # an ingest: nothing to verify
             if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
@@ -390,6 +394,26 @@ class Engine:
             if draft.token_ids:
                 drafts[draft.seq_id] = trim(draft, s.k)
         return drafts, any(not s.samples for s, _ in scheduled)
+
+    def _resync(self, seq: Sequence, charged: bool = True) -> None:
+        """The proposer lost this sequence's history: resend it whole (and its features) next time, at most
+        RESYNC_BURST times in a row plus one per RESYNC_REFILL_TOKENS committed tokens. A proposer that asks on
+        every step would otherwise have the verifier resend whole histories forever; past the budget the
+        sequence decodes without speculation (k = 0, its own output unchanged). An unreachable proposer's
+        resyncs are not `charged`: nothing is resent until it is back."""
+        if charged:
+            refill = (len(seq.tokens) - seq.resync_mark) / RESYNC_REFILL_TOKENS
+            seq.resyncs_left = min(RESYNC_BURST, seq.resyncs_left + refill)
+            seq.resync_mark = len(seq.tokens)
+            if seq.resyncs_left < 1:
+                if seq.max_draft_tokens != 0:
+                    seq.max_draft_tokens = 0
+                    self.stats.resyncs_refused += 1
+                    log.warning("proposer asked for seq %s's history too often: k = 0 for it from now", seq.seq_id)
+                return
+            seq.resyncs_left -= 1
+        seq.num_sent_to_proposer = 0
+        seq.num_features_sent = 0
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq

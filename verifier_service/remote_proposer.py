@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.draft_codec import unpack_draft
+from shared.draft_codec import DEFAULT_MAX_DRAFT_SUPPORT, unpack_draft
 from shared.drafting import Draft, DraftRequest
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
@@ -73,11 +73,14 @@ class RemoteProposer:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
+        max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
         self.addresses = list(addresses)
         self.vocab_size = vocab_size
+        # The widest draft distribution per position accepted, stated to the proposer at each handshake.
+        self.max_draft_support = min(max_draft_support, vocab_size)
         self.hidden_size = hidden_size
         # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
         # so a sequence resent in full after a reconnect carries them all.
@@ -166,7 +169,9 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
+            info = await stub.GetInfo(
+                proposer_pb2.GetInfoRequest(max_draft_support=self.max_draft_support), timeout=max(self.timeout_s, 1.0)
+            )
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
@@ -288,7 +293,7 @@ class RemoteProposer:
         tokens."""
         self.fallback_steps += 1
         self.last_round_trip = RoundTrip(0.0, 0.0, True)
-        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync) for r in requests]
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync, unreachable=True) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
         with self._release_lock:
@@ -365,7 +370,7 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k)
+                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k, max_support=self.max_draft_support)
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))

@@ -415,6 +415,7 @@ def remote_proposer(
         timeout_s=config.proposer_timeout_ms / 1000,
         reconnect_max_s=config.proposer_reconnect_max_s,
         tls=config.client_tls(config.tls_server_name),
+        max_draft_support=config.max_draft_support,
     )
 
 
