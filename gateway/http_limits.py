@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 EXEMPT_PATHS = frozenset({"/health"})
 RETRY_AFTER_S = 1
+# A body over the limit is read on and discarded (memory stays flat) up to this much more before the 413, so
+# that an ordinary client, still sending, reads the answer instead of a reset connection; a larger one is
+# answered at once and the connection closed.
+DRAIN_BYTES = 1 << 20
 
 
 class PayloadTooLargeError(InvalidRequestError):
@@ -70,13 +74,18 @@ class LimitsMiddleware:
             return
         declared = _content_length(scope)
         if declared is not None and declared > self.limits.max_body_bytes:
-            await self._refuse(
-                send, 413, f"the request body is {declared} bytes; the limit is {self.limits.max_body_bytes}"
+            drained = declared <= self.limits.max_body_bytes + DRAIN_BYTES and await drain(
+                receive, self.limits.read_timeout_s
             )
+            limit = self.limits.max_body_bytes
+            await self._refuse(send, 413, f"the request body is {declared} bytes; the limit is {limit}", drained)
             return
         if self.active >= self.limits.max_requests:
             await self._refuse(
-                send, 503, f"{self.active} requests are running on this port, its limit; retry in {RETRY_AFTER_S} s"
+                send,
+                503,
+                f"{self.active} requests are running on this port, its limit; retry in {RETRY_AFTER_S} s",
+                keep_alive=False,
             )
             return
         self.active += 1
@@ -85,7 +94,7 @@ class LimitsMiddleware:
         finally:
             self.active -= 1
 
-    async def _refuse(self, send: Any, status: int, message: str) -> None:
+    async def _refuse(self, send: Any, status: int, message: str, keep_alive: bool) -> None:
         self.refused[status] = self.refused.get(status, 0) + 1
         log.info("event=http_refused status=%d reason=%r", status, message)
         kind = "invalid_request_error" if status == 413 else "service_unavailable_error"
@@ -93,9 +102,25 @@ class LimitsMiddleware:
         headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
         if status == 503:
             headers.append((b"retry-after", str(RETRY_AFTER_S).encode()))
-        headers.append((b"connection", b"close"))  # an unread body stays unread: this connection is done
+        if not keep_alive:  # an unread body stays unread: this connection is done
+            headers.append((b"connection", b"close"))
         await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+async def drain(receive: Any, timeout_s: float, budget: int = DRAIN_BYTES) -> bool:
+    """Reads and discards the rest of a request body (at most `budget` bytes, within `timeout_s`); whether it
+    ended."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            while budget >= 0:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    return True
+                budget -= len(message.get("body", b""))
+    except TimeoutError:
+        pass
+    return False
 
 
 def _content_length(scope: dict[str, Any]) -> int | None:
@@ -127,6 +152,9 @@ class BoundedBody:
         if message["type"] == "http.request":
             self.received += len(message.get("body", b""))
             if self.received > self._max_bytes:
+                if message.get("more_body", False):
+                    await drain(self._receive, max(0.0, self._deadline - time.monotonic()))
+                self._body_done = True
                 raise PayloadTooLargeError(f"the request body is over the limit of {self._max_bytes} bytes")
             self._body_done = not message.get("more_body", False)
         else:
