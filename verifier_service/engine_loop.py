@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -33,7 +34,8 @@ MAX_BUFFERED_UPDATES = 4096
 # on the event loop nor in the default executor that runs the engine's steps: a large schema costs its sender
 # the wait, not every running stream. Past the timeout the request is refused (the compile, bounded by the
 # grammar engine's own limits, finishes in the background and is cached).
-GRAMMAR_THREADS = 2
+# A quarter of the cores, at least one: compiling must not take the CPU the engine's steps need either.
+GRAMMAR_THREADS = max(1, (os.cpu_count() or 1) // 4)
 GRAMMAR_TIMEOUT_S = 10.0
 
 

@@ -237,11 +237,13 @@ def test_gateway_server_only_tls_in_front_of_mutual_tls(pki):
     run(body())
 
 
-def peer_certificate(port: int, client: Identity) -> bytes:
-    """The certificate a NEW connection gets from the server (stdlib ssl, gRPC's ALPN)."""
+def peer_certificate(port: int, client: Identity, grpc_port: bool = True) -> bytes:
+    """The certificate a NEW connection gets from the server (stdlib ssl): a gRPC port (gRPC's ALPN, the client's
+    certificate presented) or, with grpc_port=False, the gateway's HTTPS port (no client certificate)."""
     context = ssl.create_default_context(cafile=str(client.dir / "ca.crt"))
-    context.load_cert_chain(str(client.dir / "tls.crt"), str(client.dir / "tls.key"))
-    context.set_alpn_protocols(["h2"])
+    if grpc_port:
+        context.load_cert_chain(str(client.dir / "tls.crt"), str(client.dir / "tls.key"))
+        context.set_alpn_protocols(["h2"])
     with (
         socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
         context.wrap_socket(sock, server_hostname=SERVER_NAME) as tls,
@@ -318,18 +320,6 @@ def test_health_probe_over_mutual_tls(pki, monkeypatch):
     run(body())
 
 
-def https_peer_certificate(port: int, client: Identity) -> bytes:
-    """The certificate a NEW HTTPS connection gets from the gateway's HTTP port (no client certificate)."""
-    context = ssl.create_default_context(cafile=str(client.dir / "ca.crt"))
-    with (
-        socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
-        context.wrap_socket(sock, server_hostname=SERVER_NAME) as tls,
-    ):
-        der = tls.getpeercert(binary_form=True)
-    assert der is not None
-    return der
-
-
 def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_completes(pki):
     """Issue 26, point 6: uvicorn read the certificate once; now each new connection checks the files first."""
     from tests.service.test_gateway import free_port, start_fake
@@ -349,7 +339,7 @@ def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_co
         port = gateway.http.port
         ca = str(pki["client"].dir / "ca.crt")
         try:
-            before = await asyncio.to_thread(https_peer_certificate, port, pki["client"])
+            before = await asyncio.to_thread(peer_certificate, port, pki["client"], False)
             async with httpx.AsyncClient(
                 base_url=f"https://localhost:{port}", verify=ssl.create_default_context(cafile=ca)
             ) as http:
@@ -358,13 +348,13 @@ def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_co
                     lines = stream.aiter_lines()
                     assert (await anext(lines)).startswith("data: ")
                     rotated = pki["gateway"].rotate(pki["cluster"])  # the Secret is updated: no restart
-                    after = await asyncio.to_thread(https_peer_certificate, port, pki["client"])
+                    after = await asyncio.to_thread(peer_certificate, port, pki["client"], False)
                     assert after == rotated != before
                     rest = [line async for line in lines if line]
                     assert rest[-1] == "data: [DONE]"  # the stream opened before the rotation ended normally
             # A half-rotated Secret (the key of another certificate) keeps the current one.
             trustme.CA().issue_cert(SERVER_NAME).private_key_pem.write_to_path(str(pki["gateway"].dir / "tls.key"))
-            assert await asyncio.to_thread(https_peer_certificate, port, pki["client"]) == rotated
+            assert await asyncio.to_thread(peer_certificate, port, pki["client"], False) == rotated
             assert gateway.http.tls is not None and gateway.http.tls.reloads == 1
         finally:
             await gateway.stop(0)
