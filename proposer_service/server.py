@@ -20,6 +20,7 @@ import grpc
 
 from proposer_service.builder import ProposerInfo, build_drafter
 from proposer_service.config import ProposerConfig
+from proposer_service.paged_drafter import PagedDrafter
 from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.draft_codec import pack_draft
@@ -85,12 +86,14 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
         # A verifier drops drafts wider than it accepts: draft from no more top tokens than it said.
-        top_n = getattr(self.drafter, "top_n", None)
-        if request.max_draft_support and top_n is not None and top_n > request.max_draft_support:
+        drafter = self.drafter
+        if isinstance(drafter, PagedDrafter) and 0 < request.max_draft_support < drafter.top_n:
             log.warning(
-                "draft top-n lowered from %d to %d: the verifier's max_draft_support", top_n, request.max_draft_support
+                "draft top-n lowered from %d to %d: the verifier's max_draft_support",
+                drafter.top_n,
+                request.max_draft_support,
             )
-            self.drafter.top_n = request.max_draft_support
+            drafter.top_n = request.max_draft_support
         return self.info.to_proto()
 
     async def Propose(  # type: ignore[override]
