@@ -30,9 +30,9 @@ from gateway.auth import ApiKeyAuth, KeyFile
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
 from gateway.core import GatewayCore
-from gateway.frontend import Frontend
 from gateway.http_api import make_app
 from gateway.http_limits import ConnectionStats, HttpLimits, LimitsMiddleware, guarded_protocol
+from gateway.prepare import RequestPreparer
 from gateway.servicer import GatewayServicer
 from shared.grpc_server import (
     add_health_and_reflection,
@@ -195,7 +195,7 @@ async def start_gateway(
     if telemetry is None:
         telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
     pool = BackendPool(config, interceptors=telemetry.client_interceptors())
-    servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry, auth=auth)
+    servicer = GatewayServicer(RequestPreparer(tokenizer, config), pool, telemetry, auth=auth)
     # The core caps generation at max_concurrent_rpcs; the server's own cap leaves room above it for health
     # checks and stats, so a client holding every generation slot cannot make the liveness probe fail.
     server = new_server(

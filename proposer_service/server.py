@@ -85,6 +85,8 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self.invalid_features = 0
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        if request.max_tree_nodes:
+            log.info("verifier %s scores token trees of up to %d nodes", context.peer(), request.max_tree_nodes)
         # A verifier drops drafts wider than it accepts: draft from no more top tokens than it said.
         drafter = self.drafter
         if isinstance(drafter, PagedDrafter) and 0 < request.max_draft_support < drafter.top_n:
@@ -217,6 +219,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             feature_start,
             seq.draft_position,
             seq.tenant,
+            seq.max_tree_nodes if k > 0 else 0,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:

@@ -275,6 +275,24 @@ class GrammarMatcher:
             self._matcher.rollback(num_valid)
         return num_valid + 1
 
+    def fill_tree_masks(self, token_ids: list[int], parents: list[int], bitmask: torch.Tensor, row: int = 0) -> int:
+        """A token tree's scored positions: row `row` gets the tokens allowed at the root, row + 1 + i those
+        allowed after the path to node i. A row whose path holds a forbidden token or an EOS is left all-allowed:
+        verification never accepts that node (the forbidden token has no target probability under its parent's
+        mask; an EOS ends the request), so nothing is emitted from it. State unchanged; returns rows filled."""
+        bitmask[row : row + len(token_ids) + 1] = -1
+        self._fill_row(bitmask, row)
+        filled = 1
+        paths: list[list[int]] = []
+        for node, parent in enumerate(parents):
+            paths.append([*(paths[parent] if parent >= 0 else []), token_ids[node]])
+            walk, num_valid = self._valid_walk(paths[-1])
+            if num_valid == len(walk) == len(paths[-1]):
+                with self._after(walk):
+                    self._fill_row(bitmask, row + 1 + node)
+                filled += 1
+        return filled
+
     def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]
         self._matcher.unsafe_compute_mask_ptr(target.data_ptr(), target.numel() * 4)

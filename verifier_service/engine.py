@@ -21,6 +21,7 @@ from shared.errors import InvalidRequestError, QueueFullError
 from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from shared.model.attention import tree_of_parents
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams
 from verifier_service import grammar_masks
@@ -28,7 +29,7 @@ from verifier_service.config import EngineConfig
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
-from verifier_service.verify import ScoredRow, trim, verify
+from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
@@ -38,8 +39,32 @@ RESYNC_REFILL_TOKENS = 64  # ... and one more per this many tokens committed sin
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
+class SpeculationRatios:
+    """The ratios of the speculation counters, for every class that holds them (EngineStats, StatsSnapshot)."""
+
+    sequence_steps: int
+    draft_rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Emitted / sequence steps: tokens per sequence per step, steps that drafted nothing included."""
+        return self.emitted_tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def tokens_per_draft_round(self) -> float:
+        """1 + accepted / draft rounds: tokens per step among the sequence steps that drafted."""
+        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+
 @dataclass
-class EngineStats:
+class EngineStats(SpeculationRatios):
     steps: int = 0
     sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
     draft_rounds: int = 0  # sequence steps that scored at least one draft token
@@ -48,20 +73,6 @@ class EngineStats:
     emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
     stale_drafts: int = 0
     resyncs_refused: int = 0  # sequences turned to k = 0: their proposer asked for their history too often
-
-    @property
-    def tokens_per_draft_round(self) -> float:
-        """1 + accepted / draft rounds: tokens per step among the sequence steps that drafted."""
-        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """Deprecated name of tokens_per_draft_round."""
-        return self.tokens_per_draft_round
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
 class StepObserver(Protocol):
@@ -310,7 +321,7 @@ class Engine:
         self,
         batch: list[ScheduledSeq],
         rows: list[ScoredRow],
-        emitted: list[list[int] | str],
+        verdicts: list[Verdict | str],
         hidden: list[torch.Tensor | None],
     ) -> list[RequestOutput]:
         sampled_hidden = []
@@ -318,32 +329,49 @@ class Engine:
             if s.samples:
                 sampled_hidden.append(h)
                 continue
-            self._keep_features(s.seq, h, s.num_feed)
+            self._keep_features(s.seq, h, list(range(s.num_feed)))
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
         outputs = []
-        for s, row, tokens, h in zip([s for s in batch if s.samples], rows, emitted, sampled_hidden, strict=True):
-            if isinstance(tokens, str):
-                outputs.append(self._fail(s.seq, tokens))
+        for s, row, verdict, h in zip([s for s in batch if s.samples], rows, verdicts, sampled_hidden, strict=True):
+            if isinstance(verdict, str):
+                outputs.append(self._fail(s.seq, verdict))
                 continue
-            self._keep_features(s.seq, h, s.num_feed + len(tokens) - 1)  # fed tokens and accepted drafts
-            # Token j of a row was decided at its scored position j (accepted drafts, then the recovered or
-            # bonus token), so the raw logits of this one scoring pass give every token's log-probability.
+            # Fed tokens and accepted drafts (a tree's path, moved onto consecutive slots) computed for good.
+            self._keep_features(s.seq, h, [*range(s.num_feed), *(s.num_feed + node for node in verdict.path)])
+            if row.draft is not None and row.draft.is_tree:
+                self._move_path(s, verdict.path)
+            # Token j of a row was decided at the scored position of its parent (the root's for the first; a
+            # chain's position j), so the raw logits of this one scoring pass give every token's log-probability.
             num_top = s.seq.num_logprobs
-            logprobs = token_logprobs(row.logits, tokens, num_top) if num_top is not None else None
-            out = self._commit(s, row.draft, tokens, logprobs)
+            scored_at = [0, *(node + 1 for node in verdict.path)]
+            logprobs = token_logprobs(row.logits[scored_at], verdict.tokens, num_top) if num_top is not None else None
+            out = self._commit(s, row.draft, verdict.tokens, logprobs)
             why = grammar_masks.advance(s.seq, out.new_token_ids) if not out.finished else None
             outputs.append(out if why is None else self._fail(s.seq, why))
         return outputs
 
+    def _move_path(self, s: ScheduledSeq, path: list[int]) -> None:
+        """A tree's nodes were written at slots root + 1 + node; the accepted path's K/V go to root + 1 + depth,
+        the slots plain decoding would have written (ascending: a destination is never a later source)."""
+        root = s.seq.num_computed + s.num_feed - 1
+        table, size = self.blocks.block_table(s.seq.seq_id), self.blocks.block_size
+
+        def slot(offset: int) -> int:
+            return table[offset // size] * size + offset % size
+
+        pairs = [(slot(root + 1 + node), slot(root + 1 + depth)) for depth, node in enumerate(path) if node != depth]
+        self.runner.cache.copy_slots(pairs)
+
     @staticmethod
-    def _keep_features(seq: Sequence, hidden: torch.Tensor | None, num_valid: int) -> None:
-        """Features of the positions this step computed for good (fed tokens and accepted drafts)."""
+    def _keep_features(seq: Sequence, hidden: torch.Tensor | None, rows: list[int]) -> None:
+        """Features of the positions this step computed for good (`rows` of the step's hidden states, in order)."""
         if hidden is None:
             return
         if seq.features is None:
             seq.features = FeatureStore()
-        seq.features.add(seq.num_computed, hidden[:num_valid].clone())  # a view would keep the step's whole batch
+        # index_select copies: a view would keep the step's whole batch
+        seq.features.add(seq.num_computed, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
 
     def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
         if drafts:
@@ -378,7 +406,16 @@ class Engine:
             k = s.k if s.samples else 0
             requests.append(
                 DraftRequest(
-                    seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant
+                    seq.seq_id,
+                    committed,
+                    new,
+                    k,
+                    seq.params,
+                    features,
+                    feature_start,
+                    seq.output_position,
+                    seq.tenant,
+                    s.tree_nodes if s.samples else 0,
                 )
             )
             seq.num_sent_to_proposer = committed
@@ -392,7 +429,7 @@ class Engine:
                 self.stats.stale_drafts += 1  # built on another prefix: never applied
                 continue
             if draft.token_ids:
-                drafts[draft.seq_id] = trim(draft, s.k)
+                drafts[draft.seq_id] = trim(draft, s.draft_slots)
         return drafts, any(not s.samples for s, _ in scheduled)
 
     def _resync(self, seq: Sequence, charged: bool = True) -> None:
@@ -420,7 +457,11 @@ class Engine:
         feed = seq.tokens[seq.num_computed : seq.num_computed + s.num_feed]
         draft_ids = draft.token_ids if draft else []
         num_logits = len(draft_ids) + 1 if s.samples else 0
-        return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
+        tokens = feed + draft_ids
+        tree = None
+        if draft is not None and draft.parents is not None:
+            tree = tree_of_parents(seq.num_computed, len(tokens), draft.parents)
+        return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, tokens, num_logits, tree)
 
     def _fail(self, seq: Sequence, why: str) -> RequestOutput:
         """End one sequence alone (ABORT with `error`), its KV blocks freed."""
@@ -437,7 +478,7 @@ class Engine:
         num_accepted = len(tokens) - 1
         # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
         seq.num_computed += s.num_feed + num_accepted
-        self._update_stats(seq, k, num_accepted, len(tokens))
+        self._update_stats(seq, draft, num_accepted, len(tokens))
         new_tokens = []
         for token in tokens:
             seq.tokens.append(token)
@@ -459,11 +500,12 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(self, seq: Sequence, k: int, num_accepted: int, num_emitted: int) -> None:
+    def _update_stats(self, seq: Sequence, draft: Draft | None, num_accepted: int, num_emitted: int) -> None:
         self.stats.sequence_steps += 1
         self.stats.emitted_tokens += num_emitted
-        if k:
-            seq.acceptance.update(k, num_accepted)
+        if draft is not None and draft.token_ids:
+            k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
+            seq.acceptance.update(draft.depth(), num_accepted)  # per position: a tree's depth is its chain
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

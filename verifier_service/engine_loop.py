@@ -21,7 +21,7 @@ from shared.errors import InvalidRequestError, NumericalError, ReaderStalledErro
 from shared.grammar import GrammarMatcher
 from shared.logprobs import TokenLogprob
 from shared.sampling import SamplingParams
-from verifier_service.engine import Engine, RequestOutput
+from verifier_service.engine import Engine, RequestOutput, SpeculationRatios
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
 
@@ -77,7 +77,7 @@ class Update:
 
 
 @dataclass(frozen=True)
-class StatsSnapshot:
+class StatsSnapshot(SpeculationRatios):
     """The engine's counters and gauges at one moment: the proto EngineStats, field for field (its ratios are
     the properties below; server.stats_to_proto copies every proto field by name)."""
 
@@ -106,21 +106,9 @@ class StatsSnapshot:
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
 
     @property
-    def tokens_per_step(self) -> float:
-        return self.emitted_tokens / self.sequence_steps if self.sequence_steps else 0.0
-
-    @property
-    def tokens_per_draft_round(self) -> float:
-        return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
-
-    @property
     def mean_accepted_length(self) -> float:
         """Deprecated name of tokens_per_step (the proto keeps filling it)."""
         return self.tokens_per_step
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefix_cache_hit_rate(self) -> float:

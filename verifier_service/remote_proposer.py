@@ -74,6 +74,7 @@ class RemoteProposer:
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
         max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
+        max_tree_nodes: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
@@ -90,6 +91,7 @@ class RemoteProposer:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
+        self.max_tree_nodes = max_tree_nodes  # stated at the handshake; each sequence's bound travels with it
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -169,9 +171,10 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            info = await stub.GetInfo(
-                proposer_pb2.GetInfoRequest(max_draft_support=self.max_draft_support), timeout=max(self.timeout_s, 1.0)
+            handshake = proposer_pb2.GetInfoRequest(
+                max_tree_nodes=self.max_tree_nodes, max_draft_support=self.max_draft_support
             )
+            info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
@@ -316,6 +319,7 @@ class RemoteProposer:
                 sampling_params=sampling_params_to_proto(r.params),
                 draft_position=r.draft_position,
                 tenant=r.tenant,
+                max_tree_nodes=r.max_tree_nodes,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))
@@ -370,7 +374,9 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k, max_support=self.max_draft_support)
+                draft = unpack_draft(
+                    msg, self.vocab_size, sent.k, sent.max_tree_nodes, max_support=self.max_draft_support
+                )
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))

@@ -41,7 +41,13 @@ class PrefixCacheStats:
 class ScheduledSeq:
     seq: Sequence
     num_feed: int  # committed tokens fed this step
-    k: int  # draft tokens scored after them (only when the feed reaches the end)
+    k: int  # draft length (a tree's depth) scored after them (only when the feed reaches the end)
+    tree_nodes: int = 0  # > 0: a token tree of at most this many nodes may be scored instead of a chain
+
+    @property
+    def draft_slots(self) -> int:
+        """KV slots reserved for the draft: a chain's k tokens or a tree's nodes."""
+        return max(self.k, self.tree_nodes)
 
     @property
     def samples(self) -> bool:
@@ -86,7 +92,7 @@ class Scheduler:
             item = self._schedule_running(seq, budget)
             if item is not None:
                 scheduled.append(item)
-                budget -= item.num_feed + item.k
+                budget -= item.num_feed + item.draft_slots
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             item = self._admit(self.waiting[0], budget)
             if item is None:
@@ -120,15 +126,24 @@ class Scheduler:
             return None
         k = self.draft_length(seq) if num_feed == seq.num_uncomputed else 0
         k = min(k, budget - num_feed)
-        for draft_len in dict.fromkeys((k, 0)):  # under memory pressure drafting goes first
-            if self._reserve(seq, seq.num_computed + num_feed + draft_len):
-                return ScheduledSeq(seq, num_feed, draft_len)
+        nodes = min(self.tree_nodes(seq, k), budget - num_feed)
+        drafting = ScheduledSeq(seq, num_feed, k, nodes)
+        for item in (drafting, ScheduledSeq(seq, num_feed, 0)) if drafting.draft_slots else (drafting,):
+            # under memory pressure drafting goes first
+            if self._reserve(seq, seq.num_computed + num_feed + item.draft_slots):
+                return item
         while not self._reserve(seq, seq.num_computed + num_feed):
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim)
             if victim is seq:
                 return None
         return ScheduledSeq(seq, num_feed, 0)
+
+    def tree_nodes(self, seq: Sequence, k: int) -> int:
+        """The token tree a sequence drafting k deep may send (0: a chain); a tree needs k >= 1 and pays only
+        beyond a chain of k, so it is offered only when the engine's budget is larger than k."""
+        nodes = self.config.max_tree_nodes
+        return nodes if k >= 1 and nodes > k else 0
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         # The last token is always fed: its logits give the first new token.

@@ -96,27 +96,20 @@ def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier
     if num_logprobs is not None:
         logprobs_to_proto(update.logprobs or [], num_logprobs, msg.logprobs)
     if update.finished:
-        u = update.usage
-        msg.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens,
-                cached_prompt_tokens=u.cached_prompt_tokens,
-                drafted_tokens=u.drafted_tokens,
-                accepted_tokens=u.accepted_tokens,
-                num_steps=u.num_steps,
-                mean_accepted_length=u.tokens_per_step,
-                tokens_per_step=u.tokens_per_step,
-            )
-        )
+        msg.usage.CopyFrom(_by_name(common_pb2.Usage, update.usage))
         if update.stop_token_id is not None:
             msg.stop_token_id = update.stop_token_id
     return msg
 
 
 def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
-    """Every EngineStats field from the snapshot's field or property of the same name."""
-    return common_pb2.EngineStats(**{f.name: getattr(s, f.name) for f in common_pb2.EngineStats.DESCRIPTOR.fields})
+    return _by_name(common_pb2.EngineStats, s)
+
+
+def _by_name(message_type, source):
+    """A message whose every field is the source's field or property of the same name (the domain objects
+    RequestUsage and StatsSnapshot hold the protos' fields, so one cannot fall behind the other silently)."""
+    return message_type(**{f.name: getattr(source, f.name) for f in message_type.DESCRIPTOR.fields})
 
 
 # ---- the servicer -------------------------------------------------------------------------------
@@ -416,6 +409,7 @@ def remote_proposer(
         reconnect_max_s=config.proposer_reconnect_max_s,
         tls=config.client_tls(config.tls_server_name),
         max_draft_support=config.max_draft_support,
+        max_tree_nodes=config.max_tree_nodes,
     )
 
 

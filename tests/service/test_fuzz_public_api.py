@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
-from gateway.frontend import Frontend, RequestFields
+from gateway.prepare import RequestFields, RequestPreparer
 from gateway.server import start_gateway
 from shared.errors import InvalidRequestError
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -440,7 +440,7 @@ def check_nothing_hurt(portal: LoopThread, servers: Stack, streams: list[Any], e
 def test_frontend_refuses_a_request_or_prepares_valid_sampling(tokenizer, fields, vocab, max_model_len):
     """No gRPC: any fields either get InvalidRequestError or a PreparedRequest whose sampling validates (floats as
     Python has them here, not rounded to float32 as the wire would)."""
-    frontend = Frontend(tokenizer, GatewayConfig(**CONFIG))
+    frontend = RequestPreparer(tokenizer, GatewayConfig(**CONFIG))
     req = RequestFields(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     try:
         frontend.check_fields(req, vocab)

@@ -287,7 +287,7 @@ def test_an_internal_error_tells_the_client_only_a_request_id(tokenizer, caplog)
     async def scenario() -> None:
         fs = await start_fake()
         async with http_harness(tokenizer, [fs]) as h:
-            frontend = h.gateway.servicer.frontend
+            frontend = h.gateway.servicer.preparer
 
             def broken(*args: Any, **kwargs: Any) -> Any:
                 raise RuntimeError("secret detail /srv/internal 10.0.0.7:50052")

@@ -13,6 +13,7 @@ import math
 import random
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
@@ -474,5 +475,75 @@ def test_a_proposer_drafts_from_no_more_top_tokens_than_the_verifier_accepts():
                 assert proposer.servicer.drafter.top_n == 6
         finally:
             await proposer.shutdown(0.1)
+
+    run(body())
+
+
+def bad_tree(kind: str, s: proposer_pb2.ProposeSequence) -> proposer_pb2.Draft:
+    """One malformed token tree for sequence `s` (the verifier asked for up to s.max_tree_nodes nodes, s.k deep)."""
+    n = max(2, min(s.max_tree_nodes, 4))
+    parents = {
+        "cycle": [-1, *range(1, n)],  # node i names itself as its parent
+        "out_of_order": [1, -1, *range(1, n - 1)],  # a parent after its child
+        "too_big": [-1] * (s.max_tree_nodes + 1),
+        "too_deep": list(range(-1, s.k)),  # a chain of k + 1 nodes
+        "parent_count": [-1] * (n - 1),
+        "below_root": [-2, *([-1] * (n - 1))],
+        "not_asked": [-1] * n,  # only when no tree was asked for: sent to a chain-only verifier below
+    }[kind]
+    tokens = [(s.committed_len * 7 + i) % VOCAB for i in range(max(n, len(parents) if kind != "parent_count" else n))]
+    return proposer_pb2.Draft(
+        seq_id=s.seq_id, committed_len=s.committed_len, draft_token_ids=tokens, draft_parents=parents
+    )
+
+
+TREE_KINDS = ("cycle", "out_of_order", "too_big", "too_deep", "parent_count", "below_root")
+
+
+class HostileTrees(HostileProposer):
+    """Answers every step with one kind of malformed tree for every sequence, kinds taking turns."""
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.steps += 1
+            drafts = []
+            for s in req.sequences:
+                if s.k:  # kinds take turns per draft: a sequence's resync budget ends its drafting early
+                    kind = self.kinds[self.sent_bad % len(self.kinds)]
+                    drafts.append(bad_tree(kind, s))
+                    self.kinds_sent.add(kind)
+                    self.sent_bad += 1
+                else:
+                    drafts.append(proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len))
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id, drafts=drafts)
+
+
+@pytest.mark.parametrize(("kinds", "nodes"), [(TREE_KINDS, 6), (("not_asked",), 0)], ids=["malformed", "unasked"])
+def test_malformed_trees_are_dropped_counted_and_change_nothing(kinds, nodes):
+    async def body():
+        hostile = HostileTrees(kinds)
+        fake_server, port = await start_fake(hostile)
+        verifier = await start_verifier([f"127.0.0.1:{port}"], max_tree_nodes=nodes)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                sampled = request(PROMPTS[0], MAX_TOKENS, params={"temperature": 0.9})
+                results = await asyncio.gather(
+                    *(collect(stub, request(p, MAX_TOKENS)) for p in PROMPTS), collect(stub, sampled)
+                )
+                for prompt, (tokens, _) in zip(PROMPTS, results, strict=False):
+                    assert tokens == reference(tuple(prompt), MAX_TOKENS)
+                assert len(results[-1][0]) == MAX_TOKENS
+                engine_stats = await stats(stub)
+                assert hostile.kinds_sent == set(kinds)  # every kind was sent at least once
+                assert engine_stats.invalid_drafts == hostile.sent_bad > 0
+                assert engine_stats.drafted_tokens == 0  # not one node of a malformed tree was scored
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
 
     run(body())
