@@ -102,6 +102,12 @@ def grammar_for(constraint: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+def _one_line(error: str, limit: int = 300) -> str:
+    """The compiler's message as one printable line (it may quote the grammar over several, with a caret)."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def check_depth(document: Any) -> None:
     """InvalidRequestError when a parsed JSON document nests deeper than MAX_SCHEMA_DEPTH (walked without
     recursion, so any depth is measured safely)."""
@@ -152,14 +158,14 @@ class GrammarCompiler:
                 grammar = grammar_for(constraint)
                 compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, limits=_limits())
                 cached = (
-                    InvalidRequestError(f"invalid {constraint.kind}: {compiled.get_error()}")
+                    InvalidRequestError(f"invalid {constraint.kind}: {_one_line(compiled.get_error())}")
                     if compiled.is_error()
                     else compiled
                 )
             except InvalidRequestError as err:
                 cached = err
             except ValueError as err:  # llguidance's own refusals of grammar text (e.g. a bad Lark rule)
-                cached = InvalidRequestError(f"invalid {constraint.kind}: {err}")
+                cached = InvalidRequestError(f"invalid {constraint.kind}: {_one_line(str(err))}")
             with self._lock:
                 self.compilations += 1
                 if constraint not in self._cache:

@@ -311,6 +311,7 @@ def test_unpack_draft_reads_no_entry_of_an_over_wide_draft():
     class Wire:
         seq_id, committed_len, needs_resync = "s", 10, False
         draft_token_ids = [5, 6]
+        draft_parents: list[int] = []  # a chain
         draft_prob_counts = [13_000_000, 1]
         draft_prob_token_ids = _Untouchable(13_000_001)
         draft_probs = _Untouchable(13_000_001)
