@@ -44,6 +44,7 @@ CATCH_UP_TOKENS = 2048
 class _SeqState:
     generator: torch.Generator
     cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache, in order
+    tenant: str = ""  # the prefix cache is salted with it: one tenant's blocks are never another's hit
 
 
 class DraftModelDrafter(PagedDrafter[_SeqState]):
@@ -59,17 +60,17 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         """Roll the cache back to its longest valid prefix and reserve room for this round."""
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params), tenant=req.tenant)
         if not state.cached and not self.blocks.has_seq(req.seq_id):
             # The last committed token is always fed: its logits give d_1.
-            match = self.blocks.match_prefix(tokens[: len(tokens) - 1])
+            match = self.blocks.match_prefix(tokens[: len(tokens) - 1], state.tenant)
             if match.blocks:
                 state.cached = list(tokens[: self.blocks.allocate_prefix(req.seq_id, match)])
         valid = min(common_prefix(state.cached, tokens), len(tokens) - 1)
         del state.cached[valid:]
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(valid, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, tokens, valid)
+            self.blocks.cache_full_blocks(req.seq_id, tokens, valid, state.tenant)
         needed = len(tokens) + self.draft_feeds(req)  # catch-up tokens plus the drafted tokens fed
         if not self._reserve(req.seq_id, needed, keep=in_request):
             self._drop_cache(req.seq_id)  # no room even after evicting idle sequences: no draft this round
@@ -81,7 +82,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         state = self.states[seq_id]
         committed = self.history.tokens.get(seq_id, [])
         if self.blocks.has_seq(seq_id):
-            self.blocks.cache_full_blocks(seq_id, committed, common_prefix(state.cached, committed))
+            self.blocks.cache_full_blocks(seq_id, committed, common_prefix(state.cached, committed), state.tenant)
         self.blocks.free(seq_id)
         state.cached.clear()
 

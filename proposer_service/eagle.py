@@ -39,6 +39,7 @@ class _SeqState:
     num_done: int = 0  # head positions in the cache (real or filled features)
     num_exact: int = 0  # leading positions built from real features only: the cacheable prefix
     last_hidden: torch.Tensor | None = None  # head output at num_done - 1: its guess of feature num_done
+    tenant: str = ""  # the prefix cache is salted with it: one tenant's blocks are never another's hit
 
 
 class EagleDrafter(PagedDrafter[_SeqState]):
@@ -80,7 +81,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             self._forget(req.seq_id)  # a full resend replaces whatever we built
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params), tenant=req.tenant)
         if req.features is None:
             return True
         features = req.features
@@ -101,12 +102,12 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         keys = _pair_keys(tokens)  # head position j <-> (t_j, t_{j+1})
         if state.num_done == 0 and not self.blocks.has_seq(req.seq_id):
             # Leave the last position to compute: its output is the first draft's feature.
-            match = self.blocks.match_prefix(keys[: len(keys) - 1])
+            match = self.blocks.match_prefix(keys[: len(keys) - 1], state.tenant)
             if match.blocks:
                 state.num_done = state.num_exact = self.blocks.allocate_prefix(req.seq_id, match)
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(state.num_done, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact)
+            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact, state.tenant)
         # catch-up to position len(tokens) - 2, then k - 1 draft positions
         if not self._reserve(req.seq_id, len(tokens) - 1 + self.draft_feeds(req), keep=in_request):
             self._drop_cache(req.seq_id)
@@ -118,7 +119,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         state = self.states[seq_id]
         if self.blocks.has_seq(seq_id):
             keys = _pair_keys(self.history.tokens.get(seq_id, []))
-            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)))
+            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)), state.tenant)
         self.blocks.free(seq_id)
         state.num_done = state.num_exact = 0
         state.last_hidden = None

@@ -69,6 +69,9 @@ class Draft:
     probs: SparseProbs | None = None  # per token: the distribution it was sampled from; None: deterministic
     needs_resync: bool = False  # the drafter lacks this sequence's history: resend it whole
     parents: list[int] | None = None  # None: a chain
+    # No draft because the drafter could not be reached (a remote proposer down or late): a resync it implies
+    # costs nothing until the proposer is back, so the verifier's resync budget does not count it.
+    unreachable: bool = False
 
     @property
     def is_tree(self) -> bool:

@@ -103,6 +103,13 @@ class VerifierConfig(TLSConfig):
         default=2000,
         metadata={"help": "deadline of one propose round trip; past it the step decodes with k = 0 and reconnects"},
     )
+    max_draft_support: int = field(
+        default=1024,
+        metadata={
+            "help": "widest draft distribution per position accepted from the proposer (stated to it at the "
+            "handshake; capped by the vocabulary): a wider draft is dropped and counted as invalid"
+        },
+    )
     proposer_reconnect_max_s: float = field(
         default=10.0, metadata={"help": "longest wait between proposer reconnection attempts (exponential backoff)"}
     )
@@ -174,6 +181,7 @@ class VerifierConfig(TLSConfig):
             "max_model_len",
             "default_max_tokens",
             "proposer_timeout_ms",
+            "max_draft_support",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

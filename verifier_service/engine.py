@@ -8,6 +8,7 @@ The core has no gRPC in it; the service drives `step()` from a worker thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -17,7 +18,7 @@ import torch
 
 from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore
 from shared.errors import InvalidRequestError, QueueFullError
-from shared.grammar import GrammarCompiler
+from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.attention import tree_of_parents
@@ -33,6 +34,9 @@ from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
+log = logging.getLogger("specdec.verifier.engine")
+RESYNC_BURST = 3  # whole-history resends a sequence may ask for in a row ...
+RESYNC_REFILL_TOKENS = 64  # ... and one more per this many tokens committed since
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
@@ -69,6 +73,7 @@ class EngineStats(SpeculationRatios):
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
     stale_drafts: int = 0
+    resyncs_refused: int = 0  # sequences turned to k = 0: their proposer asked for their history too often
 
 
 class StepObserver(Protocol):
@@ -165,12 +170,14 @@ class Engine:
         output_offset: int = 0,
         num_logprobs: int | None = None,
         tenant: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
         `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
         seeded sampling's output positions start. `num_logprobs`: None, or report each emitted token's
         log-probability with that many top alternatives (shared/logprobs.py). `tenant`: the API key's name
-        ('' = anonymous), passed to the drafter."""
+        ('' = anonymous), passed to the drafter. `grammar`: the request's matcher from `build_grammar`, built
+        beforehand off the engine's loop (EngineLoop does); without it a format is compiled here."""
         self._validate(request_id, prompt_ids, params)
         if num_logprobs is not None and not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, self.runner.vocab_size):
             raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {num_logprobs}")
@@ -189,13 +196,22 @@ class Engine:
             tenant=tenant,
         )
         if params.structured_output is not None:
-            if self.grammar is None:
-                raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
-            seq.grammar = self.grammar.matcher(params.structured_output)
-            # A resumed request's emitted tokens end its prompt: the format continues after them.
-            seq.grammar.consume(prompt_ids[len(prompt_ids) - output_offset :])
+            seq.grammar = grammar or self.build_grammar(params, prompt_ids, output_offset)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def build_grammar(self, params: SamplingParams, prompt_ids: list[int], output_offset: int = 0) -> GrammarMatcher:
+        """The matcher of a request's format, advanced past a resumed request's output. Thread-safe and
+        touches no engine state: EngineLoop runs it in a worker thread while the engine steps."""
+        assert params.structured_output is not None
+        if self.grammar is None:
+            raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
+        if not 0 <= output_offset <= len(prompt_ids):
+            raise RequestError(f"output_offset must lie in [0, {len(prompt_ids)}] (the prompt), got {output_offset}")
+        matcher = self.grammar.matcher(params.structured_output)
+        # A resumed request's emitted tokens end its prompt: the format continues after them.
+        matcher.consume(prompt_ids[len(prompt_ids) - output_offset :])
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -394,8 +410,7 @@ class Engine:
         drafts = {}
         for (s, _), draft in zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True):
             if draft.needs_resync:
-                s.seq.num_sent_to_proposer = 0
-                s.seq.num_features_sent = 0
+                self._resync(s.seq, charged=not draft.unreachable)
             if not s.samples:
                 continue  # an ingest: nothing to verify
             if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
@@ -421,6 +436,26 @@ class Engine:
         return DraftRequest(
             seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes
         )
+
+    def _resync(self, seq: Sequence, charged: bool = True) -> None:
+        """The proposer lost this sequence's history: resend it whole (and its features) next time, at most
+        RESYNC_BURST times in a row plus one per RESYNC_REFILL_TOKENS committed tokens. A proposer that asks on
+        every step would otherwise have the verifier resend whole histories forever; past the budget the
+        sequence decodes without speculation (k = 0, its own output unchanged). An unreachable proposer's
+        resyncs are not `charged`: nothing is resent until it is back."""
+        if charged:
+            refill = (len(seq.tokens) - seq.resync_mark) / RESYNC_REFILL_TOKENS
+            seq.resyncs_left = min(RESYNC_BURST, seq.resyncs_left + refill)
+            seq.resync_mark = len(seq.tokens)
+            if seq.resyncs_left < 1:
+                if seq.max_draft_tokens != 0:
+                    seq.max_draft_tokens = 0
+                    self.stats.resyncs_refused += 1
+                    log.warning("proposer asked for seq %s's history too often: k = 0 for it from now", seq.seq_id)
+                return
+            seq.resyncs_left -= 1
+        seq.num_sent_to_proposer = 0
+        seq.num_features_sent = 0
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.draft_codec import unpack_draft
+from shared.draft_codec import DEFAULT_MAX_DRAFT_SUPPORT, unpack_draft
 from shared.drafting import Draft, DraftRequest
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
@@ -73,12 +73,15 @@ class RemoteProposer:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
+        max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
         max_tree_nodes: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
         self.addresses = list(addresses)
         self.vocab_size = vocab_size
+        # The widest draft distribution per position accepted, stated to the proposer at each handshake.
+        self.max_draft_support = min(max_draft_support, vocab_size)
         self.hidden_size = hidden_size
         # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
         # so a sequence resent in full after a reconnect carries them all.
@@ -168,7 +171,9 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            handshake = proposer_pb2.GetInfoRequest(max_tree_nodes=self.max_tree_nodes)
+            handshake = proposer_pb2.GetInfoRequest(
+                max_tree_nodes=self.max_tree_nodes, max_draft_support=self.max_draft_support
+            )
             info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
@@ -302,7 +307,7 @@ class RemoteProposer:
         tokens."""
         self.fallback_steps += 1
         self.last_round_trip = RoundTrip(0.0, 0.0, True)
-        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync) for r in requests]
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync, unreachable=True) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
         with self._release_lock:
@@ -380,7 +385,9 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k, max_tree_nodes=sent.max_tree_nodes)
+                draft = unpack_draft(
+                    msg, self.vocab_size, sent.k, sent.max_tree_nodes, max_support=self.max_draft_support
+                )
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))

@@ -84,7 +84,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in self.running:  # what the last step committed becomes reusable
-            self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+            self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed, seq.tenant)
         plans = self._plans()
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:  # preempted while making room for an older sequence
@@ -147,7 +147,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         # The last token is always fed: its logits give the first new token.
-        match = self.blocks.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+        match = self.blocks.match_prefix(seq.tokens[: len(seq.tokens) - 1], seq.tenant)  # per tenant: no probing
         # Admit only if the whole sequence fits now, so a new arrival cannot trigger preemption loops.
         if self.blocks.blocks_needed_with_prefix(match, len(seq.tokens) + 1) > self.blocks.num_free_blocks:
             return None
@@ -174,7 +174,7 @@ class Scheduler:
 
     def _free_blocks(self, seq: Sequence) -> None:
         """Leave the sequence's committed, computed full blocks in the prefix cache, then free them."""
-        self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, min(seq.num_computed, len(seq.tokens)))
+        self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, min(seq.num_computed, len(seq.tokens)), seq.tenant)
         self.blocks.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:

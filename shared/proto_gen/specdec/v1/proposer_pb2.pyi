@@ -118,10 +118,12 @@ class Draft(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_prob_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_prob_counts: _Optional[_Iterable[int]] = ..., needs_resync: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ("max_tree_nodes",)
+    __slots__ = ("max_tree_nodes", "max_draft_support")
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
     max_tree_nodes: int
-    def __init__(self, max_tree_nodes: _Optional[int] = ...) -> None: ...
+    max_draft_support: int
+    def __init__(self, max_tree_nodes: _Optional[int] = ..., max_draft_support: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype")
