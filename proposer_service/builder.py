@@ -109,7 +109,7 @@ def build_draft_model_drafter(config: ProposerConfig) -> tuple[Drafter, Proposer
     arch = paged.arch
     grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)
     drafter = DraftModelDrafter(paged.runner, paged.blocks, top_n=config.draft_top_n, grammar=grammar)
-    drafter.tree_width, drafter.tree_beam = config.tree_width, config.tree_beam
+    drafter.tree_width, drafter.tree_beam, drafter.cache.ahead = config.tree_width, config.tree_beam, config.draft_ahead
     fingerprint = tokenizer_fingerprint(name)
     info = ProposerInfo("draft-model", name, arch.vocab_size, fingerprint, config.max_k, paged.max_model_len)
     log.info(
@@ -156,7 +156,7 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         # The head drafts the target's token ids: the target's tokenizer names them.
         load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
     )
-    drafter.tree_width, drafter.tree_beam = config.tree_width, config.tree_beam
+    drafter.tree_width, drafter.tree_beam, drafter.cache.ahead = config.tree_width, config.tree_beam, config.draft_ahead
     fingerprint = tokenizer_fingerprint(target)
     info = ProposerInfo("eagle", head_dir, arch.vocab_size, fingerprint, config.max_k, max_model_len, arch.hidden_size)
     log.info(

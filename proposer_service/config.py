@@ -65,6 +65,14 @@ class ProposerConfig(TLSConfig):
     tree_beam: int = field(
         default=2, metadata={"help": "token trees: the best nodes of each depth expanded (one batched forward a depth)"}
     )
+    draft_ahead: int = field(
+        default=0,
+        metadata={
+            "help": "draft-model and eagle kinds: after answering, draft the next round for this many likely outcomes "
+            "of each sequence's verification, and answer from that speculation cache when the committed tokens "
+            "match (0: off; pays where the proposer has its own cores, docs/services.md)"
+        },
+    )
     ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
     ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
     tensor_parallel_size: int = field(
@@ -104,6 +112,8 @@ class ProposerConfig(TLSConfig):
         for name in ("max_k", "max_num_seqs", "max_model_len", "draft_top_n", "tree_width", "tree_beam"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.draft_ahead < 0:
+            raise ValueError(f"--draft-ahead must be >= 0, got {self.draft_ahead}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if not 1 <= self.ngram_min <= self.ngram_max:

@@ -75,6 +75,12 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             return False
         return self._prepare_blocks(req, tokens, in_request)
 
+    def _alias_features(self, seq_id: str) -> tuple[int, torch.Tensor | None]:
+        """An alias drafting ahead starts from the real features the sequence has; the outcome's positions have
+        none yet, and are filled from the head's own guesses (as a prefix-cache gap is)."""
+        state = self.states.get(seq_id)
+        return state.features.since(0) if state is not None else (0, None)
+
     def _take_features(self, req: DraftRequest) -> bool:
         """Store the request's features; False (no draft) when they do not line up with its prefix."""
         if req.committed_len == len(req.new_token_ids) and req.seq_id in self.states:
@@ -101,8 +107,9 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         state = self.states[req.seq_id]
         keys = _pair_keys(tokens)  # head position j <-> (t_j, t_{j+1})
         if state.num_done == 0 and not self.blocks.has_seq(req.seq_id):
-            # Leave the last position to compute: its output is the first draft's feature.
-            match = self.blocks.match_prefix(keys[: len(keys) - 1], state.tenant)
+            # Leave the last position with a real feature to compute: its output is the guess of the next
+            # feature (the first draft's, or the first position filled without one).
+            match = self.blocks.match_prefix(keys[: min(len(keys) - 1, state.features.end - 1)], state.tenant)
             if match.blocks:
                 state.num_done = state.num_exact = self.blocks.allocate_prefix(req.seq_id, match)
         if self.blocks.has_seq(req.seq_id):

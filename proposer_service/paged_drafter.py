@@ -17,12 +17,13 @@ drafted token (an `Expansion`) gives the distribution after it (`_expand_logits`
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Generic, Protocol, TypeVar
 
 import torch
 
+from proposer_service.draft_ahead import Candidates, SpeculationCache, top_candidates
 from proposer_service.draft_grammar import DraftGrammar, DraftWalk, draft_walk
 from proposer_service.draft_tree import Expansion, draft_trees, grows_tree
 from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
@@ -32,6 +33,7 @@ from shared.kv.cache import KVCache
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.seeded import gumbel_argmax, gumbel_noise
 
+AHEAD_WIDTH = 3  # guesses kept per draft position for drafting ahead
 # Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
@@ -63,10 +65,131 @@ class PagedDrafter(Generic[State]):
         self.history = SequenceHistory()
         self.states: dict[str, State] = {}
         self.grammar = DraftGrammar(grammar)  # without a compiler, sequences with a format are not drafted
+        self.cache = SpeculationCache(0)  # drafting ahead (draft_ahead.py): off until `ahead` is set
+        self.candidates: dict[str, Candidates] = {}  # per sequence: its last chain's per-position guesses
+        self.ahead_width = AHEAD_WIDTH
+        self._ingest: list[DraftRequest] = []  # requests answered from the cache, their tokens not yet applied
+        self._no_evict = False  # while drafting ahead: never evict a real sequence's cache for an alias
 
     # ---- the round ------------------------------------------------------------------------------
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        """One round: requests whose outcome was drafted ahead are answered from the speculation cache (their
+        tokens applied later, off the critical path), the others drafted now."""
+        self._apply_ingests()
+        if not self.cache.ahead:
+            return self._propose_now(requests)
+        hits = {}
+        for req in requests:
+            self.cache.observe(req)
+            entry = self.cache.lookup(req)
+            if entry is not None:
+                hits[req.seq_id] = entry.draft
+                self.candidates[req.seq_id] = entry.candidates
+                self._ingest.append(replace(req, k=0, max_tree_nodes=0))
+        drafted = iter(self._propose_now([req for req in requests if req.seq_id not in hits]))
+        drafts = [hits[req.seq_id] if req.seq_id in hits else next(drafted) for req in requests]
+        for draft in drafts:
+            if draft.token_ids and draft.parents is None:
+                self.cache.last_chains[draft.seq_id] = draft.token_ids
+        return drafts
+
+    def draft_ahead(self, requests: list[DraftRequest], drafts: list[Draft], stale: Callable[[], bool]) -> None:
+        """After a round was answered: draft the next round for the likely outcomes of its chains (`stale()` turns
+        true when the next request arrived: stop there, it is the critical path now)."""
+        self._apply_ingests()
+        plans = []
+        for req, draft in zip(requests, drafts, strict=True):
+            candidates = self.candidates.get(req.seq_id)
+            if req.k <= 0 or draft.parents is not None or candidates is None or req.params.structured_output:
+                continue
+            tokens = self.history.tokens.get(req.seq_id)
+            if tokens is not None and len(tokens) == req.committed_len:
+                plans.append((req, tokens, draft, candidates))
+        if not plans or stale():
+            return
+        self._no_evict = True
+        try:
+            ranked = [
+                (req, tokens, self.cache.outcomes(draft, cands))
+                for req, tokens, draft, cands in self._with_bonus_guesses(plans)
+            ]
+            for rank in range(self.cache.ahead):
+                rows = [(req, tokens, outcomes[rank]) for req, tokens, outcomes in ranked if rank < len(outcomes)]
+                if not rows or stale():
+                    return
+                self._draft_for_outcomes(rows, rank)
+        finally:
+            self._no_evict = False
+
+    def _with_bonus_guesses(
+        self, plans: list[tuple[DraftRequest, list[int], Draft, Candidates]]
+    ) -> list[tuple[DraftRequest, list[int], Draft, Candidates]]:
+        """A chain accepted whole commits the target's token after it: the drafter's guesses of that position come
+        from one more step after the whole draft (one batched forward, under a second alias)."""
+        full = [(req, tokens, draft) for req, tokens, draft, _ in plans if len(draft.token_ids) == req.k]
+        peeks = [
+            replace(
+                req,
+                seq_id=f"{req.seq_id}\x00peek",
+                committed_len=len(tokens) + len(draft.token_ids),
+                new_token_ids=[*tokens, *draft.token_ids],
+                k=1,
+                **self._alias_fields(req, len(draft.token_ids)),
+            )
+            for req, tokens, draft in full
+        ]
+        bonus = {}
+        if peeks:
+            self._propose_now(peeks)
+            for (req, _, _), peek in zip(full, peeks, strict=True):
+                guesses = self.candidates.pop(peek.seq_id, None)
+                if guesses is not None and guesses.token_ids:
+                    bonus[req.seq_id] = guesses
+            self.release([peek.seq_id for peek in peeks])
+        out = []
+        for req, tokens, draft, cands in plans:
+            extra = bonus.get(req.seq_id)
+            if extra is not None:
+                cands = Candidates(cands.token_ids + extra.token_ids[:1], cands.probs + extra.probs[:1])
+            out.append((req, tokens, draft, cands))
+        return out
+
+    def _alias_fields(self, req: DraftRequest, num_new: int) -> dict:
+        """An alias's features (what the drafter has of the real sequence) and its draft position."""
+        start, features = self._alias_features(req.seq_id)
+        return {"features": features, "feature_start": start, "draft_position": req.draft_position + num_new}
+
+    def _draft_for_outcomes(self, rows: list[tuple[DraftRequest, list[int], list[int]]], rank: int) -> None:
+        """Each sequence's committed tokens plus an outcome, drafted under an alias, then the alias released."""
+        aliases = []
+        for req, tokens, outcome in rows:
+            full = [*tokens, *outcome]
+            aliases.append(
+                replace(
+                    req,
+                    seq_id=f"{req.seq_id}\x00ahead{rank}",
+                    committed_len=len(full),
+                    new_token_ids=full,
+                    **self._alias_fields(req, len(outcome)),
+                )
+            )
+        for (req, _, outcome), alias, draft in zip(rows, aliases, self._propose_now(aliases), strict=True):
+            candidates = self.candidates.pop(alias.seq_id, None)
+            if draft.token_ids and candidates is not None:
+                self.cache.store(req.seq_id, req, outcome, draft, candidates)
+        self.release([a.seq_id for a in aliases])
+
+    def _apply_ingests(self) -> None:
+        if self._ingest:
+            pending, self._ingest = self._ingest, []
+            self._propose_now(pending)
+
+    def _alias_features(self, seq_id: str) -> tuple[int, torch.Tensor | None]:
+        """The target features an alias of this sequence starts from (a drafter that reads them)."""
+        return 0, None
+
+    def _propose_now(self, requests: list[DraftRequest]) -> list[Draft]:
         drafts: dict[str, Draft] = {}
         active: list[tuple[DraftRequest, list[int]]] = []  # draft this round
         idle: list[tuple[DraftRequest, list[int]]] = []  # prepared, k = 0: only follow the committed tokens
@@ -111,6 +234,7 @@ class PagedDrafter(Generic[State]):
         out_ids: list[list[int]] = [[] for _ in reqs]
         out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
         ended = [False] * len(reqs)  # the format ended the draft early
+        guesses: list[tuple[list[list[int]], list[list[float]]]] = [([], []) for _ in reqs]
         for step in range(max(req.k for req in reqs)):
             rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
             if not rows:
@@ -121,6 +245,8 @@ class PagedDrafter(Generic[State]):
                 chain = tuple(range(step))
                 logits = self._expand_logits(reqs, [Expansion(i, out_ids[i][-1], step, step - 1, chain) for i in rows])
             logits, rows = walk.mask(logits, rows, ended, self.vocab_subset)
+            if self.cache.ahead:
+                self._note_candidates(guesses, logits, rows)
             picks = self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step)
             for row, (token, support) in zip(rows, picks, strict=True):
                 keep, draft_on = walk.advance(row, token)
@@ -130,10 +256,20 @@ class PagedDrafter(Generic[State]):
                 out_ids[row].append(token)
                 if support is not None:
                     out_probs[row].append(support)
+        if self.cache.ahead:
+            for req, (ids, probs) in zip(reqs, guesses, strict=True):
+                self.candidates[req.seq_id] = Candidates(ids, probs)
         return [
             Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
             for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
         ]
+
+    def _note_candidates(self, guesses, logits: torch.Tensor, rows: list[int]) -> None:
+        """The `ahead_width` likeliest tokens at this draft position, per row: what drafting ahead guesses from."""
+        index, probs = top_candidates(logits, self.ahead_width)
+        for row, ids, row_probs in zip(rows, index.tolist(), probs.tolist(), strict=True):
+            guesses[row][0].append([self._token(i) for i in ids])
+            guesses[row][1].append(row_probs)
 
     def _sample(
         self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[State], step: int
@@ -201,6 +337,8 @@ class PagedDrafter(Generic[State]):
 
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
+            self.cache.release(seq_id)
+            self.candidates.pop(seq_id, None)
             if seq_id in self.states:
                 self._drop_cache(seq_id)
             self.history.release(seq_id)
@@ -211,7 +349,7 @@ class PagedDrafter(Generic[State]):
     def _reserve(self, seq_id: str, num_tokens: int, keep: set[str]) -> bool:
         """Room for `num_tokens`, evicting the caches of idle sequences (not in `keep`), oldest first."""
         while not self.blocks.can_reserve(seq_id, num_tokens):
-            victims = [s for s in self.states if s not in keep and self.blocks.has_seq(s)]
+            victims = [s for s in self.states if s not in keep and self.blocks.has_seq(s) and not self._no_evict]
             if not victims:
                 return False
             self._drop_cache(victims[0])  # dicts keep insertion order

@@ -62,6 +62,7 @@ class _StreamState:
     number: int
     live: set[str]  # wire seq ids with state in the drafter
     blocked: set[str]  # wire seq ids that carried ids outside the vocabulary: never drafted
+    last_round: tuple[list[DraftRequest], list[Draft]] = ([], [])  # the drafter's last call: what to draft ahead of
 
     def key(self, seq_id: str) -> str:
         return f"s{self.number}/{seq_id}"
@@ -119,6 +120,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                     if not self._inflight:
                         self._idle.set()
                 yield response
+                self._start_drafting_ahead(stream)
         finally:
             self._pending_release.extend(stream.key(s) for s in stream.live)
             log.info("propose stream closed stream=%d sequences_released=%d", stream.number, len(stream.live))
@@ -166,12 +168,32 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             if answer is None:
                 to_draft.append(self._to_domain(seq, stream))
                 stream.live.add(seq.seq_id)
-        drafts = iter(await self._draft(releases, to_draft))
+        drafted = await self._draft(releases, to_draft)
+        stream.last_round = (to_draft, drafted)
+        drafts = iter(drafted)
         response = proposer_pb2.ProposeResponse(step_id=request.step_id)
         for seq, answer in zip(request.sequences, answers, strict=True):
             draft = answer if answer is not None else next(drafts)
             response.drafts.append(pack_draft(seq.seq_id, draft))
         return response
+
+    def _start_drafting_ahead(self, stream: _StreamState) -> None:
+        """After an answer went out: the drafter drafts the next round for its likely outcomes (draft_ahead.py), in
+        a worker thread, until the stream's (or any stream's) next message arrives."""
+        draft_ahead = getattr(self.drafter, "draft_ahead", None)
+        cache = getattr(self.drafter, "cache", None)
+        if draft_ahead is None or cache is None or not cache.ahead or not stream.last_round[0]:
+            return
+        requests, drafts = stream.last_round
+        stream.last_round = ([], [])
+        seen = self.messages
+
+        def run() -> None:
+            with self._drafter_lock:
+                if self.messages == seen:
+                    draft_ahead(requests, drafts, lambda: self.messages != seen)
+
+        asyncio.get_running_loop().run_in_executor(None, run).add_done_callback(_log_failure)
 
     def _precheck(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState, releases: list[str]) -> Draft | None:
         """An answer that needs no drafter call, or None."""
@@ -328,6 +350,11 @@ class ProposerServer(ServiceRuntime):
             await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
         await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
         log.info("proposer stopped")
+
+
+def _log_failure(done: asyncio.Future) -> None:
+    if not done.cancelled() and done.exception() is not None:
+        log.error("drafting ahead failed: %r", done.exception())  # the next round drafts on demand
 
 
 def _tp_runner(drafter: Drafter) -> TPModelRunner | None:

@@ -10,6 +10,7 @@ the network time.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -46,6 +47,16 @@ class ProposerTelemetry:
             lambda: servicer.open_streams,
             "{stream}",
         )
+        cache = getattr(servicer.drafter, "cache", None)  # drafting ahead (proposer_service/draft_ahead.py)
+        if cache is not None:
+            for name, description in (
+                ("hits", "rounds answered from drafting ahead's speculation cache"),
+                ("misses", "rounds drafted on demand while drafting ahead is on (the outcome was not guessed)"),
+                ("drafted", "draft tokens drafted ahead"),
+                ("wasted", "draft tokens drafted ahead and never sent"),
+            ):
+                unit = "{round}" if name in ("hits", "misses") else "{token}"
+                observable_counter(meter, f"specdec_proposer_draft_ahead_{name}", description, _stat(cache, name), unit)
         self.proposed_tokens = meter.create_counter(
             "specdec_proposer_draft_tokens", unit="{token}", description="draft tokens proposed"
         )
@@ -97,3 +108,7 @@ class ProposerTelemetry:
                 }
             )
             span.end()
+
+
+def _stat(cache: Any, name: str) -> Callable[[], float]:
+    return lambda: getattr(cache.stats, name)

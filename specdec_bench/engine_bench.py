@@ -90,6 +90,7 @@ class Config:
     # Sampled temperatures only; `unseeded` is the same drafter and k without seeds, for the side-by-side table.
     seeded: bool = False
     unseeded: str = ""
+    tree_nodes: int = 0  # > 0: token trees of up to this many nodes, k deep
 
     @property
     def baseline_hf(self) -> str:
@@ -118,6 +119,17 @@ CONFIGS: tuple[Config, ...] = (
         "eagle",
         6,
         adaptive=True,
+    ),
+    Config("gt", "(t) engine + EAGLE head, trees of 8 nodes, 4 deep", "general", "engine", "eagle", 4, tree_nodes=8),
+    Config(
+        "gat",
+        "(t') engine + EAGLE head, adaptive k<=4 with trees of 8 nodes",
+        "general",
+        "engine",
+        "eagle",
+        4,
+        adaptive=True,
+        tree_nodes=8,
     ),
     Config("d4s", "(d) engine + draft, k=4, seeded", "general", "engine", "draft", 4, seeded=True, unseeded="d4"),
     Config("aq", "(a) HF generate, target [quoting]", "quoting", "hf", optional=True),
@@ -227,9 +239,13 @@ def sampling_params(temperature: float, max_tokens: int, seed: int | None) -> Sa
     return SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
 
 
-def engine_config(k: int, adaptive: bool) -> EngineConfig:
+def engine_config(k: int, adaptive: bool, tree_nodes: int = 0) -> EngineConfig:
     return EngineConfig(
-        num_speculative_tokens=max(k, 1), max_num_seqs=8, max_model_len=MAX_MODEL_LEN, adaptive_k=adaptive
+        num_speculative_tokens=max(k, 1),
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        adaptive_k=adaptive,
+        max_tree_nodes=tree_nodes,
     )
 
 
@@ -242,7 +258,7 @@ def make_eagle_engine_drafter(head: EagleHead, config: EngineConfig):
 
 
 def build(models: Models, cfg: Config) -> Engine:
-    config = engine_config(cfg.k, cfg.adaptive)
+    config = engine_config(cfg.k, cfg.adaptive, cfg.tree_nodes)
     if cfg.drafter == "draft":
         drafter = make_draft_model_drafter(*models.draft, config, CacheConfig())
         return build_engine(models.target, drafter, config)
@@ -271,7 +287,7 @@ def run_engine(
             while engine.has_unfinished():
                 for out in engine.step():
                     # the accepted drafts are a prefix of the drafted ones: positions 0..num_accepted-1
-                    for i in range(out.num_drafted):
+                    for i in range(min(out.draft_depth, len(pos_drafted))):
                         pos_drafted[i] += 1
                     for i in range(out.num_accepted):
                         pos_accepted[i] += 1

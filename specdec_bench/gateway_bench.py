@@ -153,7 +153,6 @@ def _service_env() -> dict[str, str]:
     keep = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -955,7 +954,6 @@ def main(argv: list[str] | None = None) -> int:
     use_eagle = any(n.startswith("eagle") for n in stack_names)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as in the services it starts
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(NUM_THREADS)

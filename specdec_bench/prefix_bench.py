@@ -196,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as in the services it starts
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     started = time.perf_counter()
 
     def log(message: str) -> None:

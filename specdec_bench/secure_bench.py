@@ -378,7 +378,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     import torch
 
     torch.set_num_threads(NUM_THREADS)

@@ -28,7 +28,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import random
 import sys
 import time
@@ -410,7 +409,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32, help="max_tokens of the deterministic requests")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (request mix, seeds)")
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     config = SoakConfig(
         duration_s=args.duration_s, clients=args.clients, out=args.out, max_tokens=args.max_tokens, seed=args.seed
     )

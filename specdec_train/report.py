@@ -72,7 +72,7 @@ def measure_acceptance(engine, prompts: list[list[int]], max_tokens: int, temper
         engine.add_request(f"eval{i}", ids, params)
     while engine.has_unfinished():
         for out in engine.step():
-            result.add(out.num_drafted, out.num_accepted)
+            result.add(out.draft_depth, out.num_accepted)
     return result
 
 

@@ -21,16 +21,36 @@ def two_token_law(target_hf, probs_of: Callable[[torch.Tensor], torch.Tensor], v
     return first, first @ second_given
 
 
-def first_two_token_counts(engine, n: int, params_for: Callable[[int], object], vocab: int) -> torch.Tensor:
-    """Run n requests on LAW_PROMPT (request i with params_for(i)); [2, vocab] counts of output tokens 1 and 2."""
+def token_laws(
+    target_hf, probs_of: Callable[[torch.Tensor], torch.Tensor], vocab: int, num: int, prompt: list[int]
+) -> list[torch.Tensor]:
+    """The laws of output tokens 1..num after `prompt`, each marginal over the tokens before it (vocab^(num-1)
+    contexts: for a small vocabulary)."""
+    laws, paths = [], torch.ones(1)  # paths: the probability of every context of the current length
+    contexts = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(num):
+            next_probs = torch.cat([probs_of(target_hf(c).logits[:, -1].float()) for c in contexts.split(4096)])
+            joint = paths[:, None] * next_probs  # [contexts, vocab]
+            laws.append(joint.sum(0))
+            paths = joint.reshape(-1)
+            extend = torch.arange(vocab).repeat(len(contexts))[:, None]  # every context, then every next token
+            contexts = torch.cat([contexts.repeat_interleave(vocab, 0), extend], 1)
+    return laws
+
+
+def first_two_token_counts(
+    engine, n: int, params_for: Callable[[int], object], vocab: int, num: int = 2, prompt: list[int] = LAW_PROMPT
+) -> torch.Tensor:
+    """Run n requests on `prompt` (request i with params_for(i)); [num, vocab] counts of output tokens 1..num."""
     for i in range(n):
-        engine.add_request(f"s{i}", LAW_PROMPT, params_for(i))
-    counts = torch.zeros(2, vocab)
+        engine.add_request(f"s{i}", prompt, params_for(i))
+    counts = torch.zeros(num, vocab)
     while engine.has_unfinished():
         for out in engine.step():
             if out.finished:
-                counts[0, out.output_ids[0]] += 1
-                counts[1, out.output_ids[1]] += 1
+                for position in range(num):
+                    counts[position, out.output_ids[position]] += 1
     return counts
 
 

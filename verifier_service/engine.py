@@ -94,10 +94,12 @@ class RequestOutput:
     request_id: str
     new_token_ids: list[int]
     finish_reason: FinishReason | None
-    num_drafted: int = 0
+    num_drafted: int = 0  # draft tokens scored (a tree's nodes)
     num_accepted: int = 0
     prompt_len: int = 0
     output_ids: list[int] = field(default_factory=list)
+    draft_depth: int = 0  # draft positions: a chain's length, a tree's depth (per-position acceptance counts these)
+    tree: bool = False  # the draft was a token tree
     num_cached_prompt: int = 0  # prompt tokens whose K/V came from the prefix cache
     features: FeatureStore | None = None  # on the finishing output, when the engine captures features
     error: str | None = None  # set when this request failed alone (finish_reason ABORT): why, for a person
@@ -493,6 +495,7 @@ class Engine:
                 break
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
+        out.draft_depth, out.tree = (draft.depth(), draft.is_tree) if draft is not None else (0, False)
         out.num_cached_prompt = seq.num_cached_prompt or 0
         if logprobs is not None:
             out.logprobs = logprobs[: len(new_tokens)]

@@ -365,7 +365,7 @@ class VerifierTelemetry:
             self.phase_seconds.record(masks.end - masks.start, self._phase_attrs["grammar_mask"])
             self.phase_seconds.record(masks.waited, self._phase_attrs["grammar_wait"])
         for out in outputs:
-            for i in range(min(out.num_drafted, len(self.drafted_by_position))):
+            for i in range(min(out.draft_depth, len(self.drafted_by_position))):
                 self.drafted_by_position[i] += 1
                 if i < out.num_accepted:
                     self.accepted_by_position[i] += 1
