@@ -15,10 +15,13 @@
 #   SPECDEC_EAGLE_HEAD       EAGLE head folder for --kind eagle; default: models/smollm2-135m-eagle
 #   SPECDEC_PROPOSER_KIND    eagle (default: the repository's trained head), draft-model or ngram
 #   SPECDEC_K                draft tokens per step (default 4)
+#   SPECDEC_DRAFT_AHEAD      outcomes the proposer drafts ahead per sequence (default 0: off; docs/services.md)
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
 #   RUN_STARTUP_TIMEOUT      seconds to wait for all services to be healthy (default 600)
 #   RUN_GATEWAY_PORT / RUN_VERIFIER_PORT / RUN_PROPOSER_PORT   ports (default 50051 / 50052 / 50053)
 #   RUN_HTTP_PORT            the gateway's OpenAI-compatible HTTP port (default 8000)
+#   RUN_PROPOSER_METRICS_PORT / RUN_VERIFIER_METRICS_PORT   Prometheus endpoints read for the figures printed
+#                            after the answers (default 9463 / 9464)
 #   RUN_KEEP_LOGS=1          keep the log folder after a successful run
 # Logs go to a temporary folder, shown (with the tail of each log) when something fails.
 set -euo pipefail
@@ -42,6 +45,9 @@ GATEWAY_PORT="${RUN_GATEWAY_PORT:-50051}"
 VERIFIER_PORT="${RUN_VERIFIER_PORT:-50052}"
 PROPOSER_PORT="${RUN_PROPOSER_PORT:-50053}"
 HTTP_PORT="${RUN_HTTP_PORT:-8000}"
+PROPOSER_METRICS_PORT="${RUN_PROPOSER_METRICS_PORT:-9463}"
+VERIFIER_METRICS_PORT="${RUN_VERIFIER_METRICS_PORT:-9464}"
+DRAFT_AHEAD="${SPECDEC_DRAFT_AHEAD:-0}"
 HOST=127.0.0.1
 
 case "$KIND" in
@@ -141,7 +147,8 @@ wait_healthy() {
   done
 }
 
-for port in "$PROPOSER_PORT" "$VERIFIER_PORT" "$GATEWAY_PORT" "$HTTP_PORT"; do
+for port in "$PROPOSER_PORT" "$VERIFIER_PORT" "$GATEWAY_PORT" "$HTTP_PORT" "$PROPOSER_METRICS_PORT" \
+  "$VERIFIER_METRICS_PORT"; do
   if port_busy "$port"; then
     log "port $port is already in use on $HOST: stop what runs there or set RUN_*_PORT"
     exit 1
@@ -156,12 +163,13 @@ esac
 log "target=$TARGET proposer_kind=$KIND draft=$DRAFTER k=$K"
 log "logs: $LOGDIR"
 
-PROPOSER_ARGS=(--kind "$KIND" --host "$HOST" --port "$PROPOSER_PORT")
+PROPOSER_ARGS=(--kind "$KIND" --host "$HOST" --port "$PROPOSER_PORT" --metrics-port "$PROPOSER_METRICS_PORT")
 [[ "$KIND" == draft-model ]] && PROPOSER_ARGS+=(--model "$DRAFT")
 [[ "$KIND" == eagle ]] && PROPOSER_ARGS+=(--model "$HEAD" --target-model "$TARGET")
+[[ "$KIND" != ngram ]] && PROPOSER_ARGS+=(--draft-ahead "$DRAFT_AHEAD")
 start proposer specdec-proposer proposer_service.server "${PROPOSER_ARGS[@]}"
 start verifier specdec-verifier verifier_service.server --model "$TARGET" --proposer "$HOST:$PROPOSER_PORT" \
-  --num-speculative-tokens "$K" --host "$HOST" --port "$VERIFIER_PORT"
+  --num-speculative-tokens "$K" --host "$HOST" --port "$VERIFIER_PORT" --metrics-port "$VERIFIER_METRICS_PORT"
 start gateway specdec-gateway gateway.server --verifiers "$HOST:$VERIFIER_PORT" --tokenizer "$TARGET" \
   --host "$HOST" --port "$GATEWAY_PORT" --http-port "$HTTP_PORT"
 
@@ -202,5 +210,8 @@ print(
 )
 PY
 echo "----------------------------------------"
+echo "----- speculation (the services' Prometheus endpoints) -----"
+"$PYTHON" -m specdec_local.run_figures "$HOST:$VERIFIER_METRICS_PORT" "$HOST:$PROPOSER_METRICS_PORT"
+echo "------------------------------------------------------------"
 OK=1
 log "done; stopping the services"

@@ -371,6 +371,7 @@ def build_stack(
     with_verifier: bool = True,
     num_verifiers: int = 1,
     proposer_kind: str = "draft-model",
+    proposer_args: Sequence[str] = (),
     adaptive_k: bool = False,
     pki: StackPKI | None = None,
 ) -> Stack:
@@ -407,6 +408,7 @@ def build_stack(
                     str(proposer_port),
                     "--max-model-len",
                     str(MAX_MODEL_LEN),
+                    *proposer_args,
                     *tls_args("proposer"),
                 ],
                 log_dir / f"{name}-proposer.log",

@@ -3,6 +3,11 @@
     schedule -> propose (one batched drafter call) -> score (one forward) -> verify -> commit
 
 The core has no gRPC in it; the service drives `step()` from a worker thread.
+
+A drafter that can be asked without waiting (`send` / `collect`: the remote proposer) is asked early: the next
+step's propose request leaves as soon as this step's tokens are committed, before their logprobs, and before
+the service streams and records them, so the proposer drafts while the verifier finishes the step; the next
+step's propose phase then only collects the drafts (early_ask.py).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from shared.sampling import SamplingParams
 from verifier_service import grammar_masks
 from verifier_service.calibration import calibrate
 from verifier_service.config import EngineConfig
+from verifier_service.early_ask import EarlyAsk, EarlyAskStats
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
@@ -143,6 +149,8 @@ class Engine:
         self.capture_features = False
         # Structured output (verifier_service/grammar_masks.py): None until a compiler is set.
         self._masks: GrammarMasks | None = None
+        self._early: EarlyAsk | None = None  # the next step's drafts, asked for when this step committed
+        self.early_stats = EarlyAskStats()
 
     def enable_structured_output(self, tokenizer) -> None:
         """Accept requests with a format; `tokenizer` is the target's (the grammar is matched on its tokens)."""
@@ -304,7 +312,10 @@ class Engine:
         verified = time.perf_counter()
         self._measure_costs(batch, drafts, proposed - start, verified - proposed, catch_up)  # scoring + verifying
         self.stats.steps += 1
-        outputs = self._commit_step(batch, rows, emitted, hidden)
+        outputs, logprobs_due = self._commit_step(batch, rows, emitted, hidden)
+        self._ask_early()
+        for out, scored_logits, tokens, num_top in logprobs_due:
+            out.logprobs = token_logprobs(scored_logits, tokens, num_top)[: len(out.new_token_ids)]
         if observer is not None:
             observer.step_finished(outputs, start, proposed, scored, verified)
         return outputs
@@ -326,7 +337,9 @@ class Engine:
         rows: list[ScoredRow],
         verdicts: list[Verdict | str],
         hidden: list[torch.Tensor | None],
-    ) -> list[RequestOutput]:
+    ) -> tuple[list[RequestOutput], list[tuple[RequestOutput, torch.Tensor, list[int], int]]]:
+        """The step's outputs, and the logprobs still to compute (output, scored logits, tokens, top n): after the
+        next step's drafts were asked for."""
         sampled_hidden = []
         for s, h in zip(batch, hidden, strict=True):
             if s.samples:
@@ -335,7 +348,7 @@ class Engine:
             self._keep_features(s.seq, h, list(range(s.num_feed)))
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
-        outputs = []
+        outputs, logprobs_due = [], []
         for s, row, verdict, h in zip([s for s in batch if s.samples], rows, verdicts, sampled_hidden, strict=True):
             if isinstance(verdict, str):
                 outputs.append(self._fail(s.seq, verdict))
@@ -347,12 +360,13 @@ class Engine:
             # Token j of a row was decided at the scored position of its parent (the root's for the first; a
             # chain's position j), so the raw logits of this one scoring pass give every token's log-probability.
             num_top = s.seq.num_logprobs
-            scored_at = [0, *(node + 1 for node in verdict.path)]
-            logprobs = token_logprobs(row.logits[scored_at], verdict.tokens, num_top) if num_top is not None else None
-            out = self._commit(s, row.draft, verdict.tokens, logprobs)
+            out = self._commit(s, row.draft, verdict.tokens)
+            if num_top is not None:
+                scored_at = [0, *(node + 1 for node in verdict.path)]
+                logprobs_due.append((out, row.logits[scored_at], verdict.tokens, num_top))
             why = grammar_masks.advance(s.seq, out.new_token_ids) if not out.finished else None
             outputs.append(out if why is None else self._fail(s.seq, why))
-        return outputs
+        return outputs, logprobs_due
 
     def _move_path(self, s: ScheduledSeq, path: list[int]) -> None:
         """A tree's nodes were written at slots root + 1 + node; the accepted path's K/V go to root + 1 + depth,
@@ -397,20 +411,32 @@ class Engine:
         a prompt, or more than one step's tokens: its time is not what a drafting round costs)."""
         if self.drafter is None:
             return {}, False
-        drafting, following = [], []
+        early, self._early = self._early, None
+        drafting, following, asked_early = [], [], []
         for s in batch:
             seq = s.seq
             committed = len(seq.tokens) if s.samples else seq.num_computed + s.num_feed
-            if (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
+            if early is not None and early.answers(s):
+                asked_early.append(s)
+            elif (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
                 drafting.append((s, self._draft_request(s, committed)))
             elif s.samples and committed > seq.num_sent_to_proposer and hasattr(self.drafter, "notify"):
                 following.append(self._draft_request(s, committed))
         if following:
             self.drafter.notify(following)  # type: ignore[attr-defined]
-        if not drafting:
+        answered = []
+        if asked_early:
+            assert early is not None
+            pending = self.drafter.send([r for _, r in drafting]) if drafting else None  # type: ignore[attr-defined]
+            answered = early.drafts_for(asked_early, self.drafter)
+            self.early_stats.used += len(asked_early)
+            answered += zip(drafting, self.drafter.collect(pending) if pending else [], strict=True)  # type: ignore[attr-defined]
+        elif drafting:
+            answered = list(zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True))
+        if not answered:
             return {}, False
         drafts = {}
-        for (s, _), draft in zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True):
+        for (s, _), draft in answered:
             if draft.needs_resync:
                 self._resync(s.seq, charged=not draft.unreachable)
             if not s.samples:
@@ -424,17 +450,38 @@ class Engine:
         catch_up = any(not s.samples or len(r.new_token_ids) > step_tokens for s, r in drafting)
         return drafts, catch_up
 
+    def _ask_early(self) -> None:
+        """Send the next step's propose request now (a drafter with `send`): the plans the next schedule will
+        keep, for every sequence that will decode and draft."""
+        if (
+            not hasattr(self.drafter, "send")
+            or not getattr(self.drafter, "connected", True)
+            or not self.scheduler.running
+        ):
+            return
+        plans = self.scheduler.plan_ahead()
+        asks = []
+        for seq in self.scheduler.running:
+            plan = plans.get(seq.seq_id)
+            if plan is not None and plan.k > 0 and seq.num_uncomputed == 1:
+                asks.append(self._request(seq, len(seq.tokens), plan.k, plan.tree_nodes))
+        if asks:
+            self.early_stats.asked += len(asks)
+            self._early = EarlyAsk({r.seq_id: r for r in asks}, self.drafter.send(asks))  # type: ignore[union-attr]
+
     def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
         """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's
         draft shape (k = 0 for a prompt chunk or a sequence that does not draft)."""
-        seq = s.seq
+        k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
+        return self._request(s.seq, committed, k, nodes)
+
+    def _request(self, seq: Sequence, committed: int, k: int, nodes: int) -> DraftRequest:
         new = seq.tokens[seq.num_sent_to_proposer : committed]
         feature_start, features = 0, None
         if seq.features is not None and self.keeps_features:
             feature_start, features = seq.features.since(seq.num_features_sent)
             seq.num_features_sent = seq.features.end
         seq.num_sent_to_proposer = committed
-        k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
         return DraftRequest(
             seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes
         )
@@ -477,9 +524,7 @@ class Engine:
         out.output_ids = seq.output_ids
         return out
 
-    def _commit(
-        self, s: ScheduledSeq, draft: Draft | None, tokens: list[int], logprobs: list[TokenLogprob] | None = None
-    ) -> RequestOutput:
+    def _commit(self, s: ScheduledSeq, draft: Draft | None, tokens: list[int]) -> RequestOutput:
         seq = s.seq
         k = len(draft.token_ids) if draft else 0
         num_accepted = len(tokens) - 1
@@ -497,8 +542,6 @@ class Engine:
         out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
         out.draft_depth, out.tree = (draft.depth(), draft.is_tree) if draft is not None else (0, False)
         out.num_cached_prompt = seq.num_cached_prompt or 0
-        if logprobs is not None:
-            out.logprobs = logprobs[: len(new_tokens)]
         if seq.is_finished:
             out.output_ids = seq.output_ids
             out.features = seq.features

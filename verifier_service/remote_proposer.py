@@ -52,10 +52,27 @@ class RoundTrip:
     draft_seconds: float  # what the proposer reports it spent on the message (0: unknown)
     fallback: bool  # answered without the proposer: k = 0 for this step
     invalid: tuple[tuple[str, str], ...] = ()  # (seq_id, why) of each draft discarded as invalid
+    waited: float = 0.0  # of `seconds`, the time the verifier waited for it (less when it asked early)
 
     @property
     def network_seconds(self) -> float:
         return max(0.0, self.seconds - self.draft_seconds) if not self.fallback else 0.0
+
+
+@dataclass
+class PendingDrafts:
+    """A sent propose request (RemoteProposer.send); without a message nothing was sent (no stream)."""
+
+    requests: list[DraftRequest]
+    message: proposer_pb2.ProposeRequest | None = None
+    call: grpc.aio.StreamStreamCall | None = None
+    loop: asyncio.AbstractEventLoop | None = None
+    sent: float = 0.0
+    future: concurrent.futures.Future | None = None
+    answered: float = 0.0  # when the reply arrived (perf_counter), 0 until then
+
+    def note_answer(self, future: concurrent.futures.Future) -> None:
+        self.answered = time.perf_counter()
 
 
 class RemoteProposer:
@@ -250,20 +267,37 @@ class RemoteProposer:
             self._releases.extend(seq_ids)
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        if not requests:
-            return []
+        return self.collect(self.send(requests))
+
+    def send(self, requests: list[DraftRequest]) -> PendingDrafts:
+        """Send a propose request and return at once; `collect` waits for its drafts (the engine asks for the next
+        step's drafts this way as soon as a step committed its tokens)."""
         call, loop = self._call, self._loop
-        if not self._connected or call is None or loop is None:
-            return self._fallback(requests)
+        if not requests or not self._connected or call is None or loop is None:
+            return PendingDrafts(requests)
         if threading.get_ident() == self._loop_thread:
             raise RuntimeError("RemoteProposer.propose must not run on the event loop thread (it would deadlock)")
         message = self._build_request(requests)
         inject_context(message.trace_context)  # type: ignore[arg-type]
-        sent = time.perf_counter()
-        future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        pending = PendingDrafts(requests, message, call, loop, time.perf_counter())
+        pending.future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        pending.future.add_done_callback(pending.note_answer)
+        return pending
+
+    def collect(self, pending: PendingDrafts) -> list[Draft]:
+        """The drafts of a sent request, waiting at most what is left of the deadline since it was sent."""
+        requests, future, call, loop = pending.requests, pending.future, pending.call, pending.loop
+        if not requests:
+            return []
+        if future is None or call is None or loop is None or pending.message is None:
+            return self._fallback(requests)
+        waited = time.perf_counter()
         try:
-            response = future.result(self.timeout_s)
-            self.last_round_trip = RoundTrip(time.perf_counter() - sent, response.draft_time_us / 1e6, False)
+            response = future.result(max(0.0, self.timeout_s - (waited - pending.sent)))
+            answered = pending.answered or time.perf_counter()
+            self.last_round_trip = RoundTrip(
+                answered - pending.sent, response.draft_time_us / 1e6, False, waited=time.perf_counter() - waited
+            )
             self._late_in_a_row = 0
         except concurrent.futures.TimeoutError:
             future.cancel()  # stops waiting; the message itself was sent and is applied in order
@@ -280,7 +314,7 @@ class RemoteProposer:
             detail = err.details() if isinstance(err, grpc.aio.AioRpcError) else f"{type(err).__name__}: {err}"
             self._lose(call, loop, detail)
             return self._fallback(requests)
-        return self._unpack(requests, message, response, call, loop)
+        return self._unpack(requests, pending.message, response, call, loop)
 
     def notify(self, requests: list[DraftRequest]) -> None:
         """Send sequences' committed tokens (k = 0) without waiting for the answer: the proposer follows them off

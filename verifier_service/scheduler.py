@@ -64,6 +64,7 @@ class Scheduler:
         self.prefix_cache = PrefixCacheStats()
         self.policy = SpecPolicy(config.max_tree_nodes)  # its times are measured by the engine
         self.num_steps = 0
+        self._planned: tuple[frozenset[str], dict[str, Plan]] | None = None  # plan_ahead's, for the next step
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -85,7 +86,7 @@ class Scheduler:
         scheduled: list[ScheduledSeq] = []
         for seq in self.running:  # what the last step committed becomes reusable
             self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed, seq.tenant)
-        plans = self._plans()
+        plans = self._next_plans()
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
@@ -112,18 +113,34 @@ class Scheduler:
             k_cap = min(k_cap, seq.max_draft_tokens)
         return max(0, min(k_cap, remaining_output - 1, room - 1))
 
-    def _plans(self) -> dict[str, Plan]:
-        """The draft of every sequence whose feed may reach its end this step (a decode, or a prompt's last
+    def plan_ahead(self) -> dict[str, Plan]:
+        """The next step's plans, made now (the engine asks the proposer before the step starts); the next
+        schedule() keeps them unless the set of sequences that may draft changed meanwhile."""
+        plans = self._plans(self.num_steps + 1)
+        self._planned = (frozenset(plans), plans)
+        return plans
+
+    def _next_plans(self) -> dict[str, Plan]:
+        planned, self._planned = self._planned, None
+        if planned is not None and planned[0] == frozenset(s.seq_id for s in self._decoding()):
+            return planned[1]
+        return self._plans(self.num_steps)
+
+    def _decoding(self) -> list[Sequence]:
+        return [seq for seq in self.running if seq.num_uncomputed <= self.config.max_num_batched_tokens]
+
+    def _plans(self, step: int) -> dict[str, Plan]:
+        """The draft of every sequence whose feed may reach its end at this step (a decode, or a prompt's last
         chunk): the configured k (and tree) as far as each may draft, or with adaptive k the policy's plan for the
         whole batch (spec_policy.py), varied every `probe_interval` steps so that its costs are measured at more
         than one size."""
-        decoding = [seq for seq in self.running if seq.num_uncomputed <= self.config.max_num_batched_tokens]
+        decoding = self._decoding()
         k_maxes = [self.max_draft_length(seq) for seq in decoding]
         if not self.config.adaptive_k:
             nodes = self.config.max_tree_nodes
             plans = [Plan(k, nodes if 1 <= k < nodes else 0) for k in k_maxes]
         else:
-            vary = self.num_steps % self.config.probe_interval == 0
+            vary = step % self.config.probe_interval == 0
             plans = self.policy.plan([(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)], vary)
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 

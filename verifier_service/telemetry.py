@@ -125,6 +125,16 @@ class VerifierTelemetry:
             "{step}",
         )
         counter(
+            "specdec_early_drafts_asked",
+            "sequences whose next draft was asked for as soon as their step committed (a remote proposer)",
+            lambda: engine.early_stats.asked,
+        )
+        counter(
+            "specdec_early_drafts_used",
+            "of those, drafts the next step took (the others were asked again in its propose phase)",
+            lambda: engine.early_stats.used,
+        )
+        counter(
             "specdec_invalid_drafts",
             "drafts discarded as invalid (bad ids, counts or probabilities): k = 0 for that sequence and step",
             lambda: self.proposer.invalid_drafts if self.proposer is not None else 0,
@@ -340,6 +350,7 @@ class VerifierTelemetry:
                     "specdec.proposer.round_trip_seconds": rt.seconds,
                     "specdec.proposer.draft_seconds": rt.draft_seconds,
                     "specdec.proposer.network_seconds": rt.network_seconds,
+                    "specdec.proposer.waited_seconds": rt.waited,
                     "specdec.proposer.fallback": rt.fallback,
                 }
             )

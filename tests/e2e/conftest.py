@@ -12,8 +12,8 @@ Stacks:
     main      proposer (draft model) + verifier (k = 4 fixed, max_model_len 1024) + gateway
     fault     the same with --max-num-seqs 3 --max-waiting 1 (queue-full test); its proposer is SIGKILLed
               by the proposer-failure test, so the shared main stack is never disturbed
-    failover  proposer + TWO verifiers + gateway: verifiers and the proposer are SIGKILLed and restarted
-              mid-stream (test_failover.py), then the 60-second soak runs on it (test_soak.py)
+    failover  proposer (drafting ahead) + TWO verifiers + gateway: verifiers and the proposer are SIGKILLed and
+              restarted mid-stream (test_failover.py), then the 60-second soak runs on it (test_soak.py)
     orphan    a gateway whose only verifier address has nothing listening (UNAVAILABLE test)
     secure    main's services with TLS on every port, mutual TLS between them and an API key at the gateway
               (certificates and key made per run: pki.py)
@@ -49,7 +49,9 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
         verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
     ),
     "secure_stack": dict(name="secure", secure=True),
-    "failover_stack": dict(name="failover", num_verifiers=2),
+    # Its proposer drafts ahead: a verifier killed mid-stream leaves cache entries for sequences that never ask
+    # again, and the resumed requests (new sequences on the survivor) are drafted on demand.
+    "failover_stack": dict(name="failover", num_verifiers=2, proposer_args=["--draft-ahead", "3"]),
 }
 
 

@@ -1,6 +1,7 @@
-"""Drafting ahead over real gRPC on loopback: the proposer drafts the next round while the verifier scores,
-answers hits from its speculation cache, and the verifier's greedy output stays the target's; the proposer's
-metrics count hits, misses and wasted tokens."""
+"""Drafting ahead over real gRPC on loopback: the verifier asks for the next step's drafts as soon as a step
+committed, the proposer drafts the next round while the verifier scores and answers hits from its speculation
+cache, and the verifier's greedy output stays the target's; the proposer's metrics count hits, misses and wasted
+tokens."""
 
 from __future__ import annotations
 
@@ -9,27 +10,26 @@ import os
 
 import grpc
 import pytest
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
 from proposer_service.server import ProposerServer
 from shared.proto_gen.specdec.v1 import verifier_pb2_grpc
 from shared.telemetry import setup_telemetry
+from specdec_local.processes import free_port
+from specdec_local.run_figures import figures, scrape, value
 from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter
-from tests.service.test_verifier_service import PROMPTS, collect, reference, request, start_verifier, stats
+from tests.service.test_verifier_service import PROMPTS, collect, reference, request, rest, start_verifier, stats
 
 MIXED = [PROMPTS[i % 3] + [i + 1] * (i % 4) for i in range(6)]
 
 
-def metric_values(reader: InMemoryMetricReader) -> dict[str, float]:
-    values = {}
-    for rm in reader.get_metrics_data().resource_metrics:
-        for sm in rm.scope_metrics:
-            for metric in sm.metrics:
-                if metric.name.startswith("specdec_proposer_draft_ahead_"):
-                    values[metric.name] = sum(point.value for point in metric.data.data_points)
-    return values
+async def start_ahead_proposer(port: int = 0, telemetry=None) -> ProposerServer:
+    drafter = make_drafter()  # the target's own weights: chains accepted whole, the next token guessed ahead
+    drafter.cache.ahead = 4
+    info = ProposerInfo("draft-model", "tiny", VOCAB, "", 8, MAX_LEN)
+    config = ProposerConfig(host="127.0.0.1", port=port, draft_ahead=4)
+    return await ProposerServer.start(config, drafter, info, telemetry)
 
 
 @pytest.mark.parametrize("batch", [1, 6])
@@ -38,13 +38,12 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
         monkeypatch.delenv(name)
 
     async def body():
-        drafter = make_drafter()  # the target's own weights: chains accepted whole, the next token guessed ahead
-        drafter.cache.ahead = 4
-        reader = InMemoryMetricReader()
-        telemetry = setup_telemetry("specdec-proposer", metric_readers=[reader])
-        info = ProposerInfo("draft-model", "tiny", VOCAB, "", 8, MAX_LEN)
-        proposer = await ProposerServer.start(ProposerConfig(host="127.0.0.1", draft_ahead=4), drafter, info, telemetry)
-        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"], num_speculative_tokens=3, max_num_seqs=8)
+        telemetry = setup_telemetry("specdec-proposer", metrics_port=free_port(), metrics_host="127.0.0.1")
+        proposer = await start_ahead_proposer(telemetry=telemetry)
+        drafter = proposer.servicer.drafter
+        verifier = await start_verifier(
+            [f"127.0.0.1:{proposer.port}"], num_speculative_tokens=3, max_num_seqs=8, metrics_port=free_port()
+        )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
@@ -53,15 +52,61 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
                 for prompt, (tokens, _) in zip(prompts, results, strict=True):
                     assert tokens == reference(tuple(prompt), 40)
                 assert (await stats(stub)).accepted_tokens > 0
+                early = verifier.loop.engine.early_stats
+                assert 0 < early.used <= early.asked  # the verifier asked for next steps' drafts early
+                # the figures `make run` prints, from the services' Prometheus endpoints
+                verifier_samples = scrape(f"127.0.0.1:{verifier.telemetry.metrics_port}")
+                proposer_samples = scrape(f"127.0.0.1:{telemetry.metrics_port}")
         finally:
             await verifier.shutdown(0.5)
             await proposer.shutdown(0.1)
         cache = drafter.cache.stats
         assert cache.hits > 0, cache
-        values = metric_values(reader)
-        assert values["specdec_proposer_draft_ahead_hits"] == cache.hits
-        assert values["specdec_proposer_draft_ahead_misses"] == cache.misses
-        assert values["specdec_proposer_draft_ahead_wasted"] == cache.drafted - cache.used
+        assert value(proposer_samples, "specdec_proposer_draft_ahead_hits_total") == cache.hits
+        assert value(proposer_samples, "specdec_proposer_draft_ahead_misses_total") == cache.misses
+        assert value(proposer_samples, "specdec_proposer_draft_ahead_wasted_total") == cache.drafted - cache.used
+        assert value(verifier_samples, "specdec_early_drafts_used_total") == early.used
+        lines = figures(verifier_samples, proposer_samples)
+        hit_rate = f"{cache.hits / (cache.hits + cache.misses):.0%} of rounds answered from the speculation cache"
+        assert any(hit_rate in line for line in lines), lines
+        assert any(line.startswith("propose on the verifier's critical path: ") for line in lines), lines
         telemetry.shutdown()
+
+    asyncio.run(asyncio.wait_for(body(), 120))
+
+
+def test_proposer_killed_while_drafting_ahead_output_stays_exact_and_the_cache_refills():
+    async def body():
+        proposer = await start_ahead_proposer()
+        port = proposer.port
+        verifier = await start_verifier([f"127.0.0.1:{port}"], step_delay_s=0.02, num_speculative_tokens=3)
+        remote = verifier.proposer
+        assert remote is not None
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
+                outputs: list[list[int]] = [[], []]
+                for i, call in enumerate(calls):
+                    outputs[i] += (await call.read()).token_ids
+                while proposer.servicer.drafter.cache.stats.drafted == 0:  # it is drafting ahead by now
+                    await asyncio.sleep(0.005)
+                await proposer.server.stop(0)  # the proposer dies with its speculation cache
+                for i, call in enumerate(calls):
+                    for msg in await rest(call):
+                        outputs[i] += msg.token_ids
+                for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
+                    assert out == reference(tuple(prompt), 60)
+                assert remote.fallback_steps > 0
+                # back on the same port with an empty cache: the verifier reconnects and the cache refills
+                proposer = await start_ahead_proposer(port)
+                assert await remote.wait_connected(10)
+                tokens, messages = await collect(stub, request(PROMPTS[2], 40))
+                assert tokens == reference(tuple(PROMPTS[2]), 40)
+                assert messages[-1].usage.accepted_tokens > 0
+                assert proposer.servicer.drafter.cache.stats.hits > 0
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
 
     asyncio.run(asyncio.wait_for(body(), 120))
