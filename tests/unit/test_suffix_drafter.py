@@ -1,0 +1,181 @@
+"""The suffix drafter on hand-made token streams: its own text, earlier answers of the same tenant (and never of
+another), confidence and match length, deltas and resyncs, and the global tree's token budget."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from proposer_service.suffix import GLOBAL, LOCAL, SuffixDrafter
+from proposer_service.suffix_tree import NODE_BYTES, TOKEN_BYTES
+from shared.drafting import DraftRequest
+
+
+class Session:
+    """One request as the engine drives a drafter: the prompt, then each step's committed tokens."""
+
+    def __init__(self, drafter: SuffixDrafter, seq_id: str, prompt: list[int], tenant: str = "") -> None:
+        self.drafter, self.seq_id, self.tenant = drafter, seq_id, tenant
+        self.tokens, self.sent, self.prompt_len = list(prompt), 0, len(prompt)
+
+    def propose(self, k: int) -> list[int]:
+        req = DraftRequest(
+            self.seq_id,
+            len(self.tokens),
+            self.tokens[self.sent :],
+            k,
+            draft_position=len(self.tokens) - self.prompt_len,
+            tenant=self.tenant,
+        )
+        self.sent = len(self.tokens)
+        (draft,) = self.drafter.propose([req])
+        assert draft.committed_len == len(self.tokens) and not draft.needs_resync
+        return draft.token_ids
+
+    def decode(self, output: list[int], k: int) -> tuple[int, int]:
+        """Commit `output` as a verifier would with greedy drafts: each step accepts the draft's prefix that
+        agrees with the output, plus one token. Returns (drafted, accepted)."""
+        drafted = accepted = 0
+        position = 0
+        while position < len(output):
+            draft = self.propose(k)
+            n = 0
+            while n < len(draft) and position + n < len(output) and draft[n] == output[position + n]:
+                n += 1
+            drafted, accepted = drafted + len(draft), accepted + n
+            self.tokens += output[position : position + n + 1]
+            position += n + 1
+        return drafted, accepted
+
+    def commit(self, output: list[int]) -> None:
+        """All of `output` committed at once (a long step), then a draft asked."""
+        self.tokens += output
+        self.propose(4)
+
+    def release(self) -> None:
+        self.drafter.release([self.seq_id])
+
+
+def distinct(*lengths: int, seed: int) -> list[list[int]]:
+    tokens = random.Random(seed).sample(range(1000, 2000), sum(lengths))
+    parts, start = [], 0
+    for n in lengths:
+        parts.append(tokens[start : start + n])
+        start += n
+    return parts
+
+
+def test_drafts_what_followed_the_same_tokens_in_its_own_text():
+    drafter = SuffixDrafter()
+    prompt = [*range(1, 11), 50, 51, *range(1, 5)]  # ... then 1 2 3 4 again: 5 6 7 8 followed them before
+    assert Session(drafter, "a", prompt).propose(k=4) == [5, 6, 7, 8]
+    assert drafter.stats.drafts == {LOCAL: 1, GLOBAL: 0}
+
+
+def test_a_short_match_earns_a_short_draft_and_an_unsure_one_none():
+    drafter = SuffixDrafter(min_token_prob=0.4)
+    # The last token (7) followed once before: a match of length 1 drafts at most 1 token (max_spec_factor 1).
+    assert Session(drafter, "a", [7, 8, 9, 10, 11, 12, 7]).propose(k=8) == [8]
+    # After "3 4", 5 and 6 followed once each: probability 1/3 each (this occurrence counts): under 0.4.
+    assert Session(drafter, "b", [3, 4, 5, 20, 3, 4, 6, 21, 3, 4]).propose(k=8) == []
+    # With a lower threshold the first of the equally frequent continuations is drafted.
+    assert Session(SuffixDrafter(min_token_prob=0.3), "c", [3, 4, 5, 20, 3, 4, 6, 21, 3, 4]).propose(k=8) == [5, 20]
+    assert Session(drafter, "d", [3, 4, 5]).propose(k=0) == []
+
+
+def test_the_draft_grows_with_how_often_the_continuation_was_seen():
+    drafter = SuffixDrafter(min_token_prob=0.5)
+    once = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3]
+    # One earlier occurrence: probability 1/2 (this occurrence counts), so the path may not fall further.
+    assert Session(drafter, "a", once).propose(k=8) == [4, 5, 6]
+    assert Session(drafter, "b", [11, 2, 3, 8, 12, 2, 3, 9, 13, 2, 3]).propose(k=8) == []  # 1/3 each
+
+
+def test_the_same_question_from_another_session_is_drafted_from_the_earlier_answer():
+    prompt, answer = distinct(40, 60, seed=0)  # no token twice: nothing to draft from its own text
+    drafter = SuffixDrafter()
+    first = Session(drafter, "s1/0", prompt, tenant="acme")
+    first.decode(answer, k=8)
+    first.release()
+    assert not drafter.requests and len(drafter.cache) == 1  # its own tree went, its answer stayed
+    second = Session(drafter, "s1/1", prompt, tenant="acme")
+    assert second.propose(k=8) == answer[:8]  # from the first token on
+    drafted, accepted = second.decode(answer, k=8)
+    assert accepted == drafted >= len(answer) - 8
+    assert drafter.stats.drafts[GLOBAL] >= 6 and drafter.stats.draft_tokens[GLOBAL] >= 48
+
+
+def test_another_tenant_never_gets_a_draft_from_that_answer():
+    prompt, answer = distinct(40, 60, seed=1)  # no token twice: nothing to draft from its own text
+    drafter = SuffixDrafter()
+    first = Session(drafter, "a", prompt, tenant="acme")
+    first.decode(answer, k=8)
+    first.release()
+    other = Session(drafter, "b", prompt, tenant="globex")
+    drafted, accepted = other.decode(answer, k=8)
+    assert drafted == accepted == 0
+    assert drafter.stats.drafts[GLOBAL] == 0
+    anonymous = Session(drafter, "c", prompt)  # '' is a tenant of its own too
+    assert anonymous.decode(answer, k=8) == (0, 0)
+
+
+def test_requests_running_side_by_side_draft_from_each_other():
+    """Outputs enter the global tree as they are committed: the leader's tokens draft for the follower."""
+    prompt, answer = distinct(40, 30, seed=2)  # no token twice: nothing to draft from its own text
+    drafter = SuffixDrafter()
+    leader, follower = Session(drafter, "a", prompt), Session(drafter, "b", prompt)
+    leader.decode(answer, k=4)
+    assert follower.propose(k=8) == answer[:8]
+
+
+def test_a_delta_that_does_not_fit_asks_for_a_resync_and_a_rewrite_starts_over():
+    drafter = SuffixDrafter()
+    (draft,) = drafter.propose([DraftRequest("a", 10, [1, 2, 3], 4)])  # 7 tokens we never saw
+    assert draft.needs_resync
+    session = Session(drafter, "b", [5, 6, 7, 8, 5, 6])
+    assert session.propose(k=4) == [7, 8]
+    # The verifier resends tokens we hold (a reconnect): nothing changes.
+    (draft,) = drafter.propose([DraftRequest("b", 6, [7, 8, 5, 6], 4, draft_position=0)])
+    assert draft.token_ids == [7, 8]
+    # Committed tokens rewritten: the sequence starts over from the resent text (7 8 is gone).
+    (draft,) = drafter.propose([DraftRequest("b", 6, [9, 9, 5, 6], 4, draft_position=0)])
+    assert draft.token_ids == [9, 9] and list(drafter.requests["b"].tokens) == [5, 6, 9, 9, 5, 6]
+
+
+def test_the_global_trees_keep_their_token_budget_over_10000_requests():
+    budget = 20_000
+    drafter = SuffixDrafter(cache_tokens=budget, max_depth=16)
+    rng = random.Random(3)
+    peak_nodes = 0
+    for i in range(10_000):
+        prompt = [rng.randrange(500) for _ in range(rng.randrange(5, 30))]
+        output = [rng.randrange(500) for _ in range(rng.randrange(1, 25))]
+        session = Session(drafter, f"r{i}", prompt, tenant=f"t{i % 37}")
+        session.propose(4)
+        session.commit(output)
+        session.release()
+        assert drafter.cache.num_tokens <= budget
+        peak_nodes = max(peak_nodes, drafter.cache.num_nodes)
+    cache = drafter.cache
+    assert cache.num_tokens == sum(len(t.tokens(k)) for t in cache.trees.values() for k in t.sequences)
+    assert cache.evicted_requests > 5_000 and not drafter.requests
+    # Nodes are bounded by the tokens (a compressed tree holds fewer than two per token, plus a root per tenant).
+    assert peak_nodes <= 2 * budget + 37
+    assert cache.memory_bytes() <= (2 * budget + 37) * NODE_BYTES + budget * TOKEN_BYTES
+
+
+def test_a_request_larger_than_the_budget_is_not_kept_and_budget_zero_keeps_none():
+    drafter = SuffixDrafter(cache_tokens=50)
+    session = Session(drafter, "a", list(range(40)))
+    session.decode(list(range(100, 130)), k=4)  # 32 prompt-context tokens + 30 > 50
+    assert len(drafter.cache) == 0 and drafter.cache.num_tokens == 0
+    off = SuffixDrafter(cache_tokens=0)
+    Session(off, "a", [1, 2, 3]).decode([4, 5, 6], k=2)
+    assert off.cache.num_tokens == 0
+
+
+@pytest.mark.parametrize("bad", [dict(max_spec_factor=0.0), dict(min_token_prob=1.5), dict(cache_tokens=-1)])
+def test_bad_settings_are_refused(bad):
+    with pytest.raises(ValueError):
+        SuffixDrafter(**bad)

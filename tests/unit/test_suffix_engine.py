@@ -1,0 +1,125 @@
+"""The suffix drafter inside the engine, tiny random-weight target: greedy output equals transformers' whatever
+the drafts (own text, earlier answers), and sampled output follows the target's law (chi-square), with a
+negative control that claims a wrong law for the same drafts and must fail."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from proposer_service.suffix import GLOBAL, SuffixDrafter
+from shared.drafting import SparseProbs
+from shared.model.build import CacheConfig
+from shared.sampling import SamplingParams
+from specdec_local.builder import build_engine
+from tests.law import first_two_token_counts, law_pvalue, two_token_law
+from tests.tiny import hf_greedy, ours, tiny_hf_model
+from verifier_service.engine import Engine, EngineConfig
+
+VOCAB = 96
+EOS = VOCAB - 1
+
+
+@pytest.fixture(scope="module")
+def target_hf():
+    return tiny_hf_model(seed=1, logit_scale=8.0)
+
+
+@pytest.fixture(scope="module")
+def target(target_hf):
+    return ours(target_hf)
+
+
+def engine_with(target, drafter, k: int, max_num_seqs: int = 4, **kw) -> Engine:
+    config = EngineConfig(
+        num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=160, adaptive_k=False, **kw
+    )
+    return build_engine(target, drafter, config, CacheConfig(block_size=4))
+
+
+def run(
+    engine: Engine, prompts: dict[str, list[int]], params: SamplingParams, tenant: str = ""
+) -> dict[str, list[int]]:
+    for request_id, prompt in prompts.items():
+        engine.add_request(request_id, prompt, params, tenant=tenant)
+    outs = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = out.output_ids
+    return outs
+
+
+def prompts(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    motif = [rng.randrange(1, EOS) for _ in range(6)]
+    return [
+        motif * 4,  # its own text repeats: drafted from the request's tree
+        [rng.randrange(1, EOS) for _ in range(20)],
+        [rng.randrange(1, EOS) for _ in range(5)] + motif * 2,
+        [7, 7, 7, 7, 7],
+    ]
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_greedy_output_equals_transformers_and_a_repeat_is_drafted_from_the_first_answer(target_hf, target, k):
+    drafter = SuffixDrafter()
+    engine = engine_with(target, drafter, k)
+    ps = prompts(k)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    first = run(engine, {f"a{i}": p for i, p in enumerate(ps)}, params, tenant="acme")
+    references = [hf_greedy(target_hf, p, 40, eos=False) for p in ps]
+    assert [first[f"a{i}"] for i in range(len(ps))] == references
+    assert engine.stats.drafted_tokens > 0
+    drafted, accepted = engine.stats.drafted_tokens, engine.stats.accepted_tokens
+    from_global = drafter.stats.draft_tokens[GLOBAL]
+    # The same prompts again, other request ids (other sessions): their answers are in the global tree.
+    again = run(engine, {f"b{i}": p for i, p in enumerate(ps)}, params, tenant="acme")
+    assert [again[f"b{i}"] for i in range(len(ps))] == references
+    # Most of the repeat is drafted from the first answers, and drafts are accepted far more than the first time
+    # (not always: a prompt that repeats itself can out-score the earlier answer with its own text).
+    assert drafter.stats.draft_tokens[GLOBAL] - from_global >= 0.8 * len(ps) * 40 * k / (k + 1)
+    assert engine.stats.accepted_tokens - accepted >= 0.85 * (engine.stats.drafted_tokens - drafted)
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not drafter.requests
+
+
+class _ClaimsAWrongLaw:
+    """The suffix drafter's drafts, claimed to come from a distribution that puts 0.1 on the drafted token and
+    0.9 on another: the verifier then accepts the drafted token too often (min(1, target / 0.1)): a wrong law."""
+
+    def __init__(self, inner: SuffixDrafter) -> None:
+        self.inner = inner
+
+    def release(self, seq_ids):
+        self.inner.release(seq_ids)
+
+    def propose(self, requests):
+        drafts = self.inner.propose(requests)
+        for d in drafts:
+            if d.token_ids:
+                ids = torch.tensor([[t, (t + 1) % VOCAB] for t in d.token_ids])
+                probs = torch.tensor([[0.1, 0.9]]).expand(len(d.token_ids), 2)
+                object.__setattr__(d, "probs", SparseProbs(ids, probs))
+        return drafts
+
+
+def _law_pvalues(target_hf, target, drafter, n=3000):
+    temperature = 1.5
+    first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
+    engine = engine_with(target, drafter, k=3, max_num_seqs=64, max_waiting=5000)
+    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
+    counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
+    return [law_pvalue(counts[0], first, n), law_pvalue(counts[1], second, n)], engine
+
+
+def test_sampled_output_law_matches_the_target_and_a_wrong_claimed_law_is_caught(target_hf, target):
+    """Every request has the same prompt, so earlier answers in the global tree draft the first and second tokens
+    of later ones (min_token_prob 0: always draft what was most frequent). One-hot drafts verified by rejection
+    sampling keep the target's law exactly; the same drafts with a wrong claimed law must fail the test."""
+    pvalues, engine = _law_pvalues(target_hf, target, SuffixDrafter(min_token_prob=0.0))
+    assert min(pvalues) > 1e-4, pvalues
+    assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # both paths were exercised
+    lying, _ = _law_pvalues(target_hf, target, _ClaimsAWrongLaw(SuffixDrafter(min_token_prob=0.0)))
+    assert min(lying) < 1e-6, lying
