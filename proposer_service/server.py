@@ -43,6 +43,7 @@ KIND_TO_PROTO = {
     "draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL,
     "ngram": proposer_pb2.PROPOSER_KIND_NGRAM,
     "eagle": proposer_pb2.PROPOSER_KIND_EAGLE,
+    "suffix": proposer_pb2.PROPOSER_KIND_SUFFIX,
 }
 
 
@@ -50,9 +51,9 @@ KIND_TO_PROTO = {
 class ProposerInfo:
     """What GetInfo reports; also bounds what the servicer asks of the drafter."""
 
-    kind: str  # "draft-model" or "ngram"
+    kind: str  # "draft-model", "ngram", "eagle" or "suffix"
     model: str = ""
-    vocab_size: int = 0  # 0: any vocabulary (n-gram only proposes ids it has seen)
+    vocab_size: int = 0  # 0: any vocabulary (n-gram and suffix only propose ids they have seen)
     tokenizer_fingerprint: str = ""
     max_k: int = 16
     max_model_len: int = 0  # 0: unlimited
@@ -304,21 +305,23 @@ def load_grammar_compiler(
 
 
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
-    """Load the draft model (kind draft-model) or make an n-gram drafter."""
+    """Load the draft model (kind draft-model) or make an n-gram or suffix drafter."""
     if config.kind == "ngram":
         from proposer_service.ngram import NgramDrafter
-        from shared.model.build import read_arch
-        from shared.settings import default_target_model
 
         info = ProposerInfo("ngram", "", 0, "", config.max_k, 0)
-        target = config.target_model or default_target_model()
-        try:
-            arch = read_arch(target)
-            grammar = load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
-        except Exception as err:
-            log.warning("no config from %s (%s): sequences with a format are not drafted", target, err)
-            grammar = None
-        return NgramDrafter(config.ngram_max, config.ngram_min, grammar), info
+        return NgramDrafter(config.ngram_max, config.ngram_min, _target_grammar(config)), info
+    if config.kind == "suffix":
+        from proposer_service.suffix import SuffixDrafter
+
+        suffix = SuffixDrafter(
+            config.suffix_cache_tokens,
+            config.suffix_max_depth,
+            config.suffix_max_spec_factor,
+            min_token_prob=config.suffix_min_token_prob,
+            grammar=_target_grammar(config),
+        )
+        return suffix, ProposerInfo("suffix", "", 0, "", config.max_k, 0)
     if config.kind == "eagle":
         return build_eagle_drafter(config)
 
@@ -368,6 +371,20 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         time.monotonic() - started,
     )
     return drafter, info
+
+
+def _target_grammar(config: ProposerConfig) -> GrammarCompiler | None:
+    """Formats for a drafter without a model (n-gram, suffix): compiled with the target's tokenizer."""
+    from shared.model.build import read_arch
+    from shared.settings import default_target_model
+
+    target = config.target_model or default_target_model()
+    try:
+        arch = read_arch(target)
+        return load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
+    except Exception as err:
+        log.warning("no config from %s (%s): sequences with a format are not drafted", target, err)
+        return None
 
 
 def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
