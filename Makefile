@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.hotpath_bench
 	$(PY) -m specdec_bench.packing_bench
 	$(PY) -m specdec_bench.structured_bench
+	$(PY) -m specdec_bench.suffix_bench
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench

@@ -318,7 +318,8 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
             config.suffix_cache_tokens,
             config.suffix_max_depth,
             config.suffix_max_spec_factor,
-            min_token_prob=config.suffix_min_token_prob,
+            config.suffix_max_spec_offset,
+            config.suffix_min_token_prob,
             grammar=_target_grammar(config),
         )
         return suffix, ProposerInfo("suffix", "", 0, "", config.max_k, 0)

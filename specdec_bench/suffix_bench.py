@@ -15,6 +15,9 @@ shared and its load moves):
     repeat    the agent-like workload at batch 1: a question asked once, then again by another session; a function
               rewritten with one small edit, then with another by another session. The repeat is timed: engine
               k=0, n-gram, suffix with a fresh drafter (no history) and suffix after the first request
+    gateway   the repeat workload through real processes (client -> gateway -> verifier <-> proposer, as
+              `make run`): a target-only stack and a `--kind suffix` stack (adaptive k <= 16); the first request
+              goes to the suffix stack, then the repeat to both, timed
 
 In quoting and general rows every request has its own tenant, so the suffix drafter drafts only from the request's
 own text (nothing from other requests, as for n-gram and prompt lookup); the repeat section uses one tenant. Each
@@ -80,6 +83,7 @@ SECTIONS = {  # (prompt set, batch, rows)
     "general1": ("general", 1, ("c", "s")),
     "general8": ("general", 8, ("c", "s")),
 }
+ALL_SECTIONS = (*SECTIONS, "repeat", "gateway")
 REPEAT_ROWS = ("c", "e", "s-fresh", "s")  # "s-fresh": suffix without the first request
 
 
@@ -221,6 +225,49 @@ def run_repeat(models: Models, key: str, item: RepeatItem, max_tokens: int) -> M
     return run_engine(engine, drafter, [item.repeat], 1, max_tokens, lambda i: "agent")
 
 
+def run_gateway_section(models: Models, plan: Plan, items: list[RepeatItem], log: Callable[[str], None]) -> dict:
+    """The repeat workload through service processes; {("gateway", "c" or "s"): [Measurement per item and run]}."""
+    import asyncio
+    import tempfile
+
+    from specdec_bench.gateway_bench import STARTUP_TIMEOUT_S, build_stacks, run_gateway
+
+    log_dir = Path(tempfile.mkdtemp(prefix="specdec-suffix-bench-"))
+    stacks = build_stacks(log_dir, models.target_name, models.draft_name, names=["target", "suffix-adaptive"])
+    procs = [p for stack in stacks.values() for p in stack.procs]
+    log(f"starting {len(procs)} service processes; logs in {log_dir}")
+    results: dict[tuple[str, str], list[Measurement]] = {}
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        for stack in stacks.values():
+            stack.wait_ready(deadline)
+
+        def send(stack: str, prompt: list[int]) -> Measurement:
+            m = asyncio.run(run_gateway(stacks[stack].gateway.address, [prompt], 1, plan.max_tokens))
+            (trace,) = m.traces
+            return Measurement(m.tokens, m.wall_s, [trace.ids], trace.drafted, trace.accepted, max(trace.steps - 1, 0))
+
+        send("target", items[0].first)  # warm-up
+        for run in range(plan.runs):
+            for item in pick(items, run, plan.repeat_items_per_run):
+                send("suffix-adaptive", item.first)
+                order = [("c", "target"), ("s", "suffix-adaptive")][:: 1 if run % 2 else -1]
+                for key, stack in order:
+                    m = send(stack, item.repeat)
+                    results.setdefault(("gateway", key), []).append(m)
+                    log(f"run {run + 1} gateway {item.name} {key}: {m.tokens_per_s:.1f} tok/s")
+    finally:
+        codes = {p.name: p.stop() for p in reversed(procs)}
+        log(f"service exit codes {codes}")
+    return results
+
+
+def pick(items: list[RepeatItem], run: int, n: int) -> list[RepeatItem]:
+    return [items[(run * n + i) % len(items)] for i in range(n)]
+
+
 # ---- the benchmark ------------------------------------------------------------------------------------
 
 
@@ -249,11 +296,10 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
     repeat: dict[tuple[str, str], Measurement] = {}
     for run in range(plan.runs):
         for section in plan.sections:
+            if section == "gateway":
+                continue  # after the in-process runs: its services would compete with them for the cores
             if section == "repeat":
-                picked = [
-                    items[(run * plan.repeat_items_per_run + i) % len(items)] for i in range(plan.repeat_items_per_run)
-                ]
-                for item in picked:
+                for item in pick(items, run, plan.repeat_items_per_run):
                     shift = run % len(REPEAT_ROWS)
                     for key in REPEAT_ROWS[shift:] + REPEAT_ROWS[:shift]:
                         m = run_repeat(models, key, item, plan.max_tokens)
@@ -273,6 +319,8 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
                 m = run_row(models, key, prompts, batch, plan.max_tokens)
                 results.setdefault((section, key), []).append(m)
                 log(f"run {run + 1} {section} {ROWS[key].label}: {m.tokens_per_s:.1f} tok/s")
+    if "gateway" in plan.sections:
+        results.update(run_gateway_section(models, plan, items, log))
     return summarise(results, repeat, step, plan)
 
 
@@ -283,15 +331,21 @@ def _ratio(results, section: str, key: str, base: str) -> float | None:
     return statistics.median(m.tokens_per_s / b.tokens_per_s for m, b in zip(ms, bs, strict=True))
 
 
+def label_of(section: str, key: str) -> str:
+    if key == "s-fresh":
+        return "engine + suffix, adaptive k<=16, no history (fresh drafter)"
+    if section == "gateway":
+        return {"c": "gateway: target only (k=0)", "s": "gateway: suffix proposer, adaptive k<=16"}[key]
+    return ROWS[key].label
+
+
 def summarise(results, repeat, step: float, plan: Plan) -> dict:
     rows = []
     for (section, key), ms in results.items():
         row = {
             "section": section,
             "key": key,
-            "label": "engine + suffix, adaptive k<=16, no history (fresh drafter)"
-            if key == "s-fresh"
-            else ROWS[key].label,
+            "label": label_of(section, key),
             "tokens_per_s": statistics.median(m.tokens_per_s for m in ms),
             "tokens_per_s_runs": [round(m.tokens_per_s, 2) for m in ms],
             "vs_c": _ratio(results, section, key, "c"),
@@ -321,7 +375,7 @@ def output_checks(results, repeat) -> list[str]:
             continue
         pairs = [(o1, o2) for m, b in zip(ms, base, strict=True) for o1, o2 in zip(m.outputs, b.outputs, strict=True)]
         same = sum(o1 == o2 for o1, o2 in pairs)
-        label = ROWS[key].label if key in ROWS else key
+        label = label_of(section, key)
         lines.append(f"{section}: {label} == engine k=0 on {same}/{len(pairs)} sequences")
     return lines
 
@@ -370,11 +424,9 @@ def render(summary: dict, meta: dict, plan: Plan) -> str:
             by.get(("quoting1", key), {}).get("vs_p"),
             lambda v: v >= 1.5,
         )
-    target(
-        "repeat: suffix after the first request >= 3x engine k=0",
-        by.get(("repeat", "s"), {}).get("vs_c"),
-        lambda v: v >= 3,
-    )
+    for section in ("repeat", "gateway"):
+        measured = by.get((section, "s"), {}).get("vs_c")
+        target(f"{section}: suffix after the first request >= 3x target only", measured, lambda v: v >= 3)
     for section in ("general1", "general8"):
         target(f"{section}: suffix >= 0.97x engine k=0", by.get((section, "s"), {}).get("vs_c"), lambda v: v >= 0.97)
     cost = by.get(("quoting8", "s"), {}).get("draft_ms_per_token")
@@ -404,14 +456,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick 32)")
     parser.add_argument("--batch1-prompts", type=int, default=2, help="prompts per batch-1 run (default 2)")
     parser.add_argument("--repeat-items", type=int, default=4, help="repeat workload items per run (default 4)")
-    parser.add_argument("--sections", default=",".join([*SECTIONS, "repeat"]), help="comma-separated sections")
+    parser.add_argument("--sections", default=",".join(ALL_SECTIONS), help="comma-separated sections")
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
     args = parser.parse_args(argv)
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
-    unknown = [s for s in sections if s not in SECTIONS and s != "repeat"]
+    unknown = [s for s in sections if s not in ALL_SECTIONS]
     if unknown:
-        raise SystemExit(f"--sections: unknown {unknown}; sections are {', '.join([*SECTIONS, 'repeat'])}")
+        raise SystemExit(f"--sections: unknown {unknown}; sections are {', '.join(ALL_SECTIONS)}")
     plan = Plan(
         runs=args.runs or (1 if args.quick else 3),
         max_tokens=args.max_tokens or (32 if args.quick else 128),
