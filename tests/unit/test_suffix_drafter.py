@@ -95,12 +95,18 @@ def test_the_draft_grows_with_how_often_the_continuation_was_seen():
     assert Session(drafter, "b", [11, 2, 3, 8, 12, 2, 3, 9, 13, 2, 3]).propose(k=8) == []  # 1/3 each
 
 
-def test_the_same_question_from_another_session_is_drafted_from_the_earlier_answer():
-    prompt, answer = distinct(40, 60, seed=0)  # no token twice: nothing to draft from its own text
+def answered(prompt: list[int], answer: list[int], tenant: str) -> SuffixDrafter:
+    """A drafter that followed one finished request of `tenant`."""
     drafter = SuffixDrafter()
-    first = Session(drafter, "s1/0", prompt, tenant="acme")
+    first = Session(drafter, "first", prompt, tenant=tenant)
     first.decode(answer, k=8)
     first.release()
+    return drafter
+
+
+def test_the_same_question_from_another_session_is_drafted_from_the_earlier_answer():
+    prompt, answer = distinct(40, 60, seed=0)  # no token twice: nothing to draft from its own text
+    drafter = answered(prompt, answer, "acme")
     assert not drafter.requests and len(drafter.cache) == 1  # its own tree went, its answer stayed
     second = Session(drafter, "s1/1", prompt, tenant="acme")
     assert second.propose(k=8) == answer[:8]  # from the first token on
@@ -111,10 +117,7 @@ def test_the_same_question_from_another_session_is_drafted_from_the_earlier_answ
 
 def test_another_tenant_never_gets_a_draft_from_that_answer():
     prompt, answer = distinct(40, 60, seed=1)  # no token twice: nothing to draft from its own text
-    drafter = SuffixDrafter()
-    first = Session(drafter, "a", prompt, tenant="acme")
-    first.decode(answer, k=8)
-    first.release()
+    drafter = answered(prompt, answer, "acme")
     other = Session(drafter, "b", prompt, tenant="globex")
     drafted, accepted = other.decode(answer, k=8)
     assert drafted == accepted == 0

@@ -11,32 +11,16 @@ import torch
 
 from proposer_service.suffix import GLOBAL, SuffixDrafter
 from shared.drafting import SparseProbs
-from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
-from specdec_local.builder import build_engine
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
-from tests.tiny import hf_greedy, ours, tiny_hf_model
-from verifier_service.engine import Engine, EngineConfig
-
-VOCAB = 96
-EOS = VOCAB - 1
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model(seed=1, logit_scale=8.0)
+from tests.tiny import hf_greedy
+from tests.unit.test_engine import EOS, VOCAB, target, target_hf  # noqa: F401
+from tests.unit.test_engine import engine_with as engine_of
+from verifier_service.engine import Engine
 
 
-@pytest.fixture(scope="module")
-def target(target_hf):
-    return ours(target_hf)
-
-
-def engine_with(target, drafter, k: int, max_num_seqs: int = 4, **kw) -> Engine:
-    config = EngineConfig(
-        num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=160, adaptive_k=False, **kw
-    )
-    return build_engine(target, drafter, config, CacheConfig(block_size=4))
+def engine_with(model, drafter, k: int, max_num_seqs: int = 4, **kw) -> Engine:
+    return engine_of(model, drafter, k=k, max_num_seqs=max_num_seqs, max_model_len=160, **kw)
 
 
 def run(
@@ -64,7 +48,7 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("k", [1, 3, 8])
-def test_greedy_output_equals_transformers_and_a_repeat_is_drafted_from_the_first_answer(target_hf, target, k):
+def test_greedy_output_equals_transformers_and_a_repeat_is_drafted_from_the_first_answer(target_hf, target, k):  # noqa: F811
     drafter = SuffixDrafter()
     engine = engine_with(target, drafter, k)
     ps = prompts(k)
@@ -85,18 +69,12 @@ def test_greedy_output_equals_transformers_and_a_repeat_is_drafted_from_the_firs
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not drafter.requests
 
 
-class _ClaimsAWrongLaw:
+class _ClaimsAWrongLaw(SuffixDrafter):
     """The suffix drafter's drafts, claimed to come from a distribution that puts 0.1 on the drafted token and
     0.9 on another: the verifier then accepts the drafted token too often (min(1, target / 0.1)): a wrong law."""
 
-    def __init__(self, inner: SuffixDrafter) -> None:
-        self.inner = inner
-
-    def release(self, seq_ids):
-        self.inner.release(seq_ids)
-
     def propose(self, requests):
-        drafts = self.inner.propose(requests)
+        drafts = super().propose(requests)
         for d in drafts:
             if d.token_ids:
                 ids = torch.tensor([[t, (t + 1) % VOCAB] for t in d.token_ids])
@@ -105,7 +83,7 @@ class _ClaimsAWrongLaw:
         return drafts
 
 
-def _law_pvalues(target_hf, target, drafter, n=3000):
+def _law_pvalues(target_hf, target, drafter, n=3000):  # noqa: F811
     temperature = 1.5
     first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
     engine = engine_with(target, drafter, k=3, max_num_seqs=64, max_waiting=5000)
@@ -114,12 +92,12 @@ def _law_pvalues(target_hf, target, drafter, n=3000):
     return [law_pvalue(counts[0], first, n), law_pvalue(counts[1], second, n)], engine
 
 
-def test_sampled_output_law_matches_the_target_and_a_wrong_claimed_law_is_caught(target_hf, target):
+def test_sampled_output_law_matches_the_target_and_a_wrong_claimed_law_is_caught(target_hf, target):  # noqa: F811
     """Every request has the same prompt, so earlier answers in the global tree draft the first and second tokens
     of later ones (min_token_prob 0: always draft what was most frequent). One-hot drafts verified by rejection
     sampling keep the target's law exactly; the same drafts with a wrong claimed law must fail the test."""
     pvalues, engine = _law_pvalues(target_hf, target, SuffixDrafter(min_token_prob=0.0))
     assert min(pvalues) > 1e-4, pvalues
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # both paths were exercised
-    lying, _ = _law_pvalues(target_hf, target, _ClaimsAWrongLaw(SuffixDrafter(min_token_prob=0.0)))
+    lying, _ = _law_pvalues(target_hf, target, _ClaimsAWrongLaw(min_token_prob=0.0))
     assert min(lying) < 1e-6, lying

@@ -118,20 +118,21 @@ def located(tree: SuffixTree, pattern: list[int]) -> tuple[Node, int]:
 
 
 texts = st.lists(st.lists(st.integers(0, ALPHABET - 1), min_size=1, max_size=30), min_size=1, max_size=4)
+# A tree over random texts and one of their substrings, where the continuations are read.
+scenarios = st.tuples(st.integers(2, 10), texts, st.randoms(use_true_random=False))
+
+
+def scenario(drawn) -> tuple[SuffixTree, Reference, list[int], Node, int]:
+    depth, seqs, pick = drawn
+    tree, ref = build(depth, seqs)
+    pattern = list(pick.choice(sorted(ref.substrings())))
+    return tree, ref, pattern, *located(tree, pattern)
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    depth=st.integers(2, 10),
-    seqs=texts,
-    pick=st.randoms(use_true_random=False),
-    max_tokens=st.integers(0, 12),
-    min_prob=st.sampled_from([0.0, 0.2, 0.5, 0.9]),
-)
-def test_best_chain_is_the_most_frequent_continuation(depth, seqs, pick, max_tokens, min_prob):
-    tree, ref = build(depth, seqs)
-    pattern = list(pick.choice(sorted(ref.substrings())))
-    node, offset = located(tree, pattern)
+@given(drawn=scenarios, max_tokens=st.integers(0, 12), min_prob=st.sampled_from([0.0, 0.2, 0.5, 0.9]))
+def test_best_chain_is_the_most_frequent_continuation(drawn, max_tokens, min_prob):
+    tree, ref, pattern, node, offset = scenario(drawn)
     chain = tree.best_chain(node, offset, max_tokens, min_prob)
     assert chain.parents == list(range(-1, len(chain.token_ids) - 1))
     context, prob = list(pattern), 1.0
@@ -149,17 +150,9 @@ def test_best_chain_is_the_most_frequent_continuation(depth, seqs, pick, max_tok
 
 
 @settings(max_examples=300, deadline=None)
-@given(
-    depth=st.integers(2, 10),
-    seqs=texts,
-    pick=st.randoms(use_true_random=False),
-    max_nodes=st.integers(0, 20),
-    min_prob=st.sampled_from([0.0, 0.1, 0.3]),
-)
-def test_best_tree_holds_the_most_probable_continuations(depth, seqs, pick, max_nodes, min_prob):
-    tree, ref = build(depth, seqs)
-    pattern = list(pick.choice(sorted(ref.substrings())))
-    node, offset = located(tree, pattern)
+@given(drawn=scenarios, max_nodes=st.integers(0, 20), min_prob=st.sampled_from([0.0, 0.1, 0.3]))
+def test_best_tree_holds_the_most_probable_continuations(drawn, max_nodes, min_prob):
+    tree, ref, pattern, node, offset = scenario(drawn)
     result = tree.best_tree(node, offset, max_nodes, min_prob)
     paths: list[list[int]] = []
     for token, parent, prob in zip(result.token_ids, result.parents, result.probs, strict=True):
