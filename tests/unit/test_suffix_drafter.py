@@ -115,6 +115,17 @@ def test_the_same_question_from_another_session_is_drafted_from_the_earlier_answ
     assert drafter.stats.drafts[GLOBAL] >= 6 and drafter.stats.draft_tokens[GLOBAL] >= 48
 
 
+def test_a_request_evicted_while_it_runs_still_drafts_from_its_tenants_tree():
+    prompt, answer = distinct(40, 60, seed=4)
+    drafter = answered(prompt, answer, "acme")
+    second = Session(drafter, "second", prompt, tenant="acme")
+    assert second.propose(k=8) == answer[:8]
+    drafter.cache.remove(drafter.requests["second"].key)  # evicted by others' writes
+    drafted, accepted = second.decode(answer, k=8)  # its suffixes are found from the root instead
+    assert accepted == drafted >= len(answer) - 8
+    assert not drafter.cache.holds("acme", drafter.requests["second"].key)  # and it is not added back
+
+
 def test_another_tenant_never_gets_a_draft_from_that_answer():
     prompt, answer = distinct(40, 60, seed=1)  # no token twice: nothing to draft from its own text
     drafter = answered(prompt, answer, "acme")
