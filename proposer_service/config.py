@@ -71,12 +71,10 @@ class ProposerConfig(TLSConfig):
         default=32, metadata={"help": "suffix kind: longest string indexed (match plus draft)"}
     )
     suffix_max_spec_factor: float = field(
-        default=1.0,
+        default=2.0,
         metadata={"help": "suffix kind: a match of m tokens drafts at most m * this factor + --suffix-max-spec-offset"},
     )
-    suffix_max_spec_offset: float = field(
-        default=-1.0, metadata={"help": "suffix kind: see --suffix-max-spec-factor (-1: a one-token match drafts none)"}
-    )
+    suffix_max_spec_offset: float = field(default=-1.0, metadata={"help": "suffix kind: see --suffix-max-spec-factor"})
     suffix_min_token_prob: float = field(
         default=0.1,
         metadata={"help": "suffix kind: a draft stops where its path's empirical probability falls below this"},

@@ -74,21 +74,25 @@ def test_drafts_what_followed_the_same_tokens_in_its_own_text():
 
 
 def test_a_short_match_earns_a_short_draft_and_an_unsure_one_none():
-    drafter = SuffixDrafter(min_token_prob=0.4)
-    # A match of m tokens drafts at most m * max_spec_factor (1) + max_spec_offset (-1) tokens: one token, none;
-    # two tokens, one.
+    drafter = SuffixDrafter(min_token_prob=0.4, max_spec_factor=1.0)
+    # A match of m tokens drafts at most m * max_spec_factor (here 1) + max_spec_offset (-1) tokens: one token,
+    # none; two tokens, one.
     assert Session(drafter, "a", [7, 8, 9, 10, 11, 12, 7]).propose(k=8) == []
     assert Session(drafter, "a2", [7, 8, 9, 10, 11, 12, 7, 8]).propose(k=8) == [9]
-    assert Session(SuffixDrafter(max_spec_offset=0), "a3", [7, 8, 9, 10, 11, 12, 7]).propose(k=8) == [8]
+    # The defaults (2, -1): one token, one; two tokens, three.
+    assert Session(SuffixDrafter(), "a3", [7, 8, 9, 10, 11, 12, 7]).propose(k=8) == [8]
+    assert Session(SuffixDrafter(), "a4", [7, 8, 9, 10, 11, 12, 7, 8]).propose(k=8) == [9, 10, 11]
     # After "3 4", 5 and 6 followed once each: probability 1/3 each (this occurrence counts): under 0.4.
     assert Session(drafter, "b", [3, 4, 5, 20, 3, 4, 6, 21, 3, 4]).propose(k=8) == []
     # With a lower threshold the first of the equally frequent continuations is drafted.
-    assert Session(SuffixDrafter(min_token_prob=0.3), "c", [3, 4, 5, 20, 3, 4, 6, 21, 3, 4]).propose(k=8) == [5]
+    assert Session(
+        SuffixDrafter(min_token_prob=0.3, max_spec_factor=1.0), "c", [3, 4, 5, 20, 3, 4, 6, 21, 3, 4]
+    ).propose(k=8) == [5]
     assert Session(drafter, "d", [3, 4, 5]).propose(k=0) == []
 
 
 def test_the_draft_grows_with_how_often_the_continuation_was_seen():
-    drafter = SuffixDrafter(min_token_prob=0.5)
+    drafter = SuffixDrafter(min_token_prob=0.5, max_spec_factor=1.0)
     once = [1, 2, 3, 4, 5, 6, 9, 1, 2, 3, 4]
     # One earlier occurrence: probability 1/2 (this occurrence counts), so the path may not fall further.
     assert Session(drafter, "a", once).propose(k=8) == [5, 6, 9]
@@ -151,13 +155,13 @@ def test_a_delta_that_does_not_fit_asks_for_a_resync_and_a_rewrite_starts_over()
     (draft,) = drafter.propose([DraftRequest("a", 10, [1, 2, 3], 4)])  # 7 tokens we never saw
     assert draft.needs_resync
     session = Session(drafter, "b", [4, 5, 6, 7, 8, 4, 5, 6])
-    assert session.propose(k=4) == [7, 8]
+    assert session.propose(k=4) == [7, 8, 4, 5]
     # The verifier resends tokens we hold (a reconnect): nothing changes.
     (draft,) = drafter.propose([DraftRequest("b", 8, [7, 8, 4, 5, 6], 4, draft_position=0)])
-    assert draft.token_ids == [7, 8]
+    assert draft.token_ids == [7, 8, 4, 5]
     # Committed tokens rewritten: the sequence starts over from the resent text (7 8 is gone).
     (draft,) = drafter.propose([DraftRequest("b", 8, [9, 9, 4, 5, 6], 4, draft_position=0)])
-    assert draft.token_ids == [9, 9] and list(drafter.requests["b"].tokens) == [4, 5, 6, 9, 9, 4, 5, 6]
+    assert draft.token_ids == [9, 9, 4, 5] and list(drafter.requests["b"].tokens) == [4, 5, 6, 9, 9, 4, 5, 6]
 
 
 def test_the_global_trees_keep_their_token_budget_over_10000_requests():
