@@ -150,12 +150,27 @@ class SuffixDrafter:
     # ---- drafting ------------------------------------------------------------------------------
 
     def _draft(self, state: _Request, k: int) -> tuple[str | None, list[int]]:
-        best, source = EMPTY, None
-        for name, tree, ends in self._matches(state):
-            candidate = self._best_continuation(tree, ends, k, best.score)
-            if candidate.score > best.score:
-                best, source = candidate, name
+        source, best = self._best(state, k, 0)
         return source, best.token_ids
+
+    def continuation(self, seq_id: str, k: int, tree_nodes: int = 0) -> tuple[str | None, Continuation]:
+        """The best continuation of a sequence this drafter follows, as of its last request, and the tree it came
+        from: the chain `propose` sends (at most k tokens), or with tree_nodes > 0 several frequent continuations
+        of the same best match as one token tree of at most tree_nodes nodes (`SuffixTree.best_tree`: tokens in
+        topological order and each one's parent index, -1 for the match) for tree verification."""
+        state = self.requests.get(seq_id)
+        return (None, EMPTY) if state is None else self._best(state, k, tree_nodes)
+
+    def _best(self, state: _Request, k: int, tree_nodes: int) -> tuple[str | None, Continuation]:
+        best, source, where = EMPTY, None, None
+        for name, tree, ends in self._matches(state):
+            candidate, match = self._best_continuation(tree, ends, k, best.score)
+            if candidate.score > best.score:
+                best, source, where = candidate, name, (tree, match)
+        if tree_nodes > 0 and where is not None and where[1] is not None:
+            tree, (node, offset) = where[0], where[1]
+            best = tree.best_tree(node, offset, tree_nodes, self.min_token_prob)
+        return source, best
 
     def _matches(self, state: _Request) -> Iterable[tuple[str, SuffixTree, list[tuple[Node, int, int]]]]:
         """Per tree, the matches of the sequence's suffixes: (node, offset in its edge, match length)."""
@@ -179,20 +194,21 @@ class SuffixDrafter:
 
     def _best_continuation(
         self, tree: SuffixTree, matches: list[tuple[Node, int, int]], k: int, to_beat: float
-    ) -> Continuation:
-        """Longest matches first; a shorter one wins only with a strictly higher score."""
-        best = EMPTY
+    ) -> tuple[Continuation, tuple[Node, int] | None]:
+        """The best chain over the matches and where it starts. Longest matches first; a shorter one wins only
+        with a strictly higher score."""
+        best: tuple[Continuation, tuple[Node, int] | None] = (EMPTY, None)
         for node, offset, length in matches:
             max_tokens = min(k, int(length * self.max_spec_factor + self.max_spec_offset + 1e-6))
             if max_tokens <= 0 or (offset == node.length and not node.children):
                 continue
             # No path from here scores more than max_tokens times its first step's probability.
             first = 1.0 if offset < node.length else max(c.count for c in node.children.values()) / node.count
-            if max_tokens * first <= max(best.score, to_beat):
+            if max_tokens * first <= max(best[0].score, to_beat):
                 continue
             candidate = tree.best_chain(node, offset, max_tokens, self.min_token_prob)
-            if candidate.score > best.score:
-                best = candidate
+            if candidate.score > best[0].score:
+                best = (candidate, (node, offset))
         return best
 
 

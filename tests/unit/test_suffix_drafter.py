@@ -150,6 +150,20 @@ def test_requests_running_side_by_side_draft_from_each_other():
     assert follower.propose(k=8) == answer[:8]
 
 
+def test_the_best_match_also_gives_a_tree_of_its_frequent_continuations():
+    """For tree verification (not sent yet): the continuations of the best match, best first, as one tree."""
+    drafter = SuffixDrafter(min_token_prob=0.1)
+    # "1 2 3" was followed by "4 5" twice (then "9", then "8") and by "6 7" once before.
+    prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 6, 7, 8, 10, 1, 2, 3]
+    assert Session(drafter, "a", prompt).propose(k=2) == [4, 5]
+    source, tree = drafter.continuation("a", k=2, tree_nodes=6)
+    # Best first by path probability (this occurrence counts: 4 in all); ties in the order they were reached.
+    assert source == LOCAL and tree.token_ids == [4, 5, 6, 9, 8, 7] and tree.parents == [-1, 0, -1, 1, 1, 2]
+    assert tree.probs == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
+    assert drafter.continuation("a", k=2) == (source, tree.__class__([4, 5], [-1, 0], [0.5, 0.5]))
+    assert drafter.continuation("unknown", k=2)[1].token_ids == []
+
+
 def test_a_delta_that_does_not_fit_asks_for_a_resync_and_a_rewrite_starts_over():
     drafter = SuffixDrafter()
     (draft,) = drafter.propose([DraftRequest("a", 10, [1, 2, 3], 4)])  # 7 tokens we never saw
