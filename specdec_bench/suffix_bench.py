@@ -10,8 +10,9 @@ shared and its load moves):
     quoting1  the quoting prompts at batch 1, `--batch1-prompts` per run: HF generate, HF prompt lookup
               decoding (prompt_lookup_num_tokens=10), engine k=0, engine + n-gram (adaptive k<=8, the engine's
               default policy), engine + suffix (adaptive k<=8 and k<=16)
-    quoting8  the 8 quoting prompts together: engine k=0, n-gram, suffix
-    general1, general8   the general chat prompts: engine k=0 and suffix (it must know when not to draft)
+    quoting8  the 8 quoting prompts together: engine k=0, n-gram, suffix (k<=8 and k<=16)
+    general1, general8   the general chat prompts: engine k=0 and suffix (k<=8 and k<=16; it must know when not
+              to draft)
     repeat    the agent-like workload at batch 1: a question asked once, then again by another session; a function
               rewritten with one small edit, then with another by another session. The repeat is timed: engine
               k=0, n-gram, suffix with a fresh drafter (no history) and suffix after the first request
@@ -79,9 +80,9 @@ ROWS = {
 }
 SECTIONS = {  # (prompt set, batch, rows)
     "quoting1": ("quoting", 1, ("a", "p", "c", "e", "s8", "s")),
-    "quoting8": ("quoting", 8, ("c", "e", "s")),
-    "general1": ("general", 1, ("c", "s")),
-    "general8": ("general", 8, ("c", "s")),
+    "quoting8": ("quoting", 8, ("c", "e", "s8", "s")),
+    "general1": ("general", 1, ("c", "s8", "s")),
+    "general8": ("general", 8, ("c", "s8", "s")),
 }
 ALL_SECTIONS = (*SECTIONS, "repeat", "gateway")
 REPEAT_ROWS = ("c", "e", "s-fresh", "s")  # "s-fresh": suffix without the first request
@@ -428,12 +429,15 @@ def render(summary: dict, meta: dict, plan: Plan) -> str:
         measured = by.get((section, "s"), {}).get("vs_c")
         target(f"{section}: suffix after the first request >= 3x target only", measured, lambda v: v >= 3)
     for section in ("general1", "general8"):
-        target(f"{section}: suffix >= 0.97x engine k=0", by.get((section, "s"), {}).get("vs_c"), lambda v: v >= 0.97)
-    cost = by.get(("quoting8", "s"), {}).get("draft_ms_per_token")
-    if cost is not None:
-        share = cost / 1e3 / summary["target_step_b8_s"]
-        label = "drafting cost per proposed token at batch 8 (quoting) < 2% of a target step"
-        out.append(f"| {label} | {share:.2%} | {'PASS' if share < 0.02 else 'FAIL'} |")
+        for key in ("s8", "s"):
+            measured = by.get((section, key), {}).get("vs_c")
+            target(f"{section}: {ROWS[key].label} >= 0.97x engine k=0", measured, lambda v: v >= 0.97)
+    for section in ("quoting8", "general8"):
+        cost = by.get((section, "s"), {}).get("draft_ms_per_token")
+        if cost is not None:
+            share = cost / 1e3 / summary["target_step_b8_s"]
+            label = f"{section}: drafting time per proposed token < 2% of a target step at batch 8"
+            out.append(f"| {label} | {share:.2%} | {'PASS' if share < 0.02 else 'FAIL'} |")
     out += ["", "### Output checks (greedy)", ""] + [f"- {line}" for line in summary["checks"]]
     out += ["", HOW_TO_READ, MARK_END, ""]
     return "\n".join(out)
