@@ -156,8 +156,9 @@ class SuffixDrafter:
     def continuation(self, seq_id: str, k: int, tree_nodes: int = 0) -> tuple[str | None, Continuation]:
         """The best continuation of a sequence this drafter follows, as of its last request, and the tree it came
         from: the chain `propose` sends (at most k tokens), or with tree_nodes > 0 several frequent continuations
-        of the same best match as one token tree of at most tree_nodes nodes (`SuffixTree.best_tree`: tokens in
-        topological order and each one's parent index, -1 for the match) for tree verification."""
+        of the same best match as one token tree of at most tree_nodes nodes, none deeper than k
+        (`SuffixTree.best_tree`: tokens in topological order and each one's parent index, -1 for the match), for
+        tree verification."""
         state = self.requests.get(seq_id)
         return (None, EMPTY) if state is None else self._best(state, k, tree_nodes)
 
@@ -169,7 +170,7 @@ class SuffixDrafter:
                 best, source, where = candidate, name, (tree, match)
         if tree_nodes > 0 and where is not None and where[1] is not None:
             tree, (node, offset) = where[0], where[1]
-            best = tree.best_tree(node, offset, tree_nodes, self.min_token_prob)
+            best = tree.best_tree(node, offset, tree_nodes, self.min_token_prob, k)
         return source, best
 
     def _matches(self, state: _Request) -> Iterable[tuple[str, SuffixTree, list[tuple[Node, int, int]]]]:

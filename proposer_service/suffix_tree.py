@@ -280,20 +280,28 @@ class SuffixTree:
             node, offset = child, 0
         return Continuation(tokens, list(range(-1, len(tokens) - 1)), probs)
 
-    def best_tree(self, node: Node, offset: int, max_nodes: int, min_prob: float) -> Continuation:
+    def best_tree(
+        self, node: Node, offset: int, max_nodes: int, min_prob: float, max_depth: int | None = None
+    ) -> Continuation:
         """Several frequent continuations as one token tree: nodes taken best first by path probability while it
-        stays >= min_prob, at most max_nodes; a node always comes after its parent."""
+        stays >= min_prob, at most max_nodes, none deeper than max_depth (a chain of k tokens is k deep); a node
+        always comes after its parent."""
         tokens: list[int] = []
         parents: list[int] = []
         probs: list[float] = []
+        depths: list[int] = []
         order = itertools.count()  # ties: first pushed first, so the result is deterministic
         heap = [(-1.0, next(order), node, offset, -1)]
         while heap and len(tokens) < max_nodes:
             neg_prob, _, node, offset, parent = heapq.heappop(heap)
+            depth = depths[parent] + 1 if parent >= 0 else 1
+            if max_depth is not None and depth > max_depth:
+                continue
             if offset < node.length:
                 tokens.append(node.edge_token(offset))
                 parents.append(parent)
                 probs.append(-neg_prob)
+                depths.append(depth)
                 heapq.heappush(heap, (neg_prob, next(order), node, offset + 1, len(tokens) - 1))
                 continue
             for child in sorted(node.children.values(), key=_count, reverse=True):

@@ -156,10 +156,12 @@ def test_the_best_match_also_gives_a_tree_of_its_frequent_continuations():
     # "1 2 3" was followed by "4 5" twice (then "9", then "8") and by "6 7" once before.
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 6, 7, 8, 10, 1, 2, 3]
     assert Session(drafter, "a", prompt).propose(k=2) == [4, 5]
-    source, tree = drafter.continuation("a", k=2, tree_nodes=6)
+    source, tree = drafter.continuation("a", k=3, tree_nodes=6)
     # Best first by path probability (this occurrence counts: 4 in all); ties in the order they were reached.
     assert source == LOCAL and tree.token_ids == [4, 5, 6, 9, 8, 7] and tree.parents == [-1, 0, -1, 1, 1, 2]
     assert tree.probs == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
+    _, shallow = drafter.continuation("a", k=2, tree_nodes=6)  # no deeper than k
+    assert shallow.token_ids == [4, 5, 6, 7] and shallow.parents == [-1, 0, -1, 2]
     assert drafter.continuation("a", k=2) == (source, tree.__class__([4, 5], [-1, 0], [0.5, 0.5]))
     assert drafter.continuation("unknown", k=2)[1].token_ids == []
 

@@ -150,10 +150,15 @@ def test_best_chain_is_the_most_frequent_continuation(drawn, max_tokens, min_pro
 
 
 @settings(max_examples=300, deadline=None)
-@given(drawn=scenarios, max_nodes=st.integers(0, 20), min_prob=st.sampled_from([0.0, 0.1, 0.3]))
-def test_best_tree_holds_the_most_probable_continuations(drawn, max_nodes, min_prob):
+@given(
+    drawn=scenarios,
+    max_nodes=st.integers(0, 20),
+    min_prob=st.sampled_from([0.0, 0.1, 0.3]),
+    max_depth=st.sampled_from([None, 1, 2, 4]),
+)
+def test_best_tree_holds_the_most_probable_continuations(drawn, max_nodes, min_prob, max_depth):
     tree, ref, pattern, node, offset = scenario(drawn)
-    result = tree.best_tree(node, offset, max_nodes, min_prob)
+    result = tree.best_tree(node, offset, max_nodes, min_prob, max_depth)
     paths: list[list[int]] = []
     for token, parent, prob in zip(result.token_ids, result.parents, result.probs, strict=True):
         assert -1 <= parent < len(paths), "a node comes after its parent"
@@ -173,7 +178,7 @@ def test_best_tree_holds_the_most_probable_continuations(drawn, max_nodes, min_p
         for token in ref.next_counts(pattern + path):
             longer = [*path, token]
             prob = ref.count(pattern + longer) / ref.count(pattern)
-            if prob >= min_prob:
+            if prob >= min_prob and (max_depth is None or len(longer) <= max_depth):
                 eligible[tuple(longer)] = prob
                 frontier.append(longer)
     taken = {tuple(p) for p in paths}
