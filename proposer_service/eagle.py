@@ -16,20 +16,18 @@ so does a position where the head's vocabulary subset holds no allowed token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from proposer_service.draft_grammar import DraftWalk, draft_walk
-from proposer_service.paged_drafter import PagedDrafter, draft_generator, stack_supports
-from shared.drafting import Draft, DraftRequest, FeatureStore
-from shared.grammar import GrammarCompiler, GrammarMatcher
+from proposer_service.draft_tree import Expansion
+from proposer_service.paged_drafter import PagedDrafter, draft_generator
+from shared.drafting import DraftRequest, FeatureStore
+from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, build_metadata
+from shared.model.attention import SeqSpan, TreeSpec, build_metadata
 from shared.model.eagle import EagleHead
-from shared.sampling import logits_to_probs, params_to_tensors
-from shared.seeded import gumbel_argmax, gumbel_noise
 
 MAX_SEQUENTIAL_FILL = 16  # gap positions filled one by one from the head's own guesses; earlier ones in bulk
 
@@ -41,6 +39,7 @@ class _SeqState:
     num_done: int = 0  # head positions in the cache (real or filled features)
     num_exact: int = 0  # leading positions built from real features only: the cacheable prefix
     last_hidden: torch.Tensor | None = None  # head output at num_done - 1: its guess of feature num_done
+    tenant: str = ""  # the prefix cache is salted with it: one tenant's blocks are never another's hit
 
 
 class EagleDrafter(PagedDrafter[_SeqState]):
@@ -57,42 +56,24 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         super().__init__(cache, block_manager, top_n, grammar)
         self.head = head
         self.vocab_size = head.arch.vocab_size
+        self._fed: dict[tuple[int, int], torch.Tensor] = {}  # this round: (row, expansion index) -> head output
 
-    # ---- Drafter protocol ------------------------------------------------------------------------
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts: dict[str, Draft] = {}
-        active: list[tuple[DraftRequest, list[int]]] = []
-        matchers: list[GrammarMatcher | None] = []  # of the active sequences
-        in_request = {req.seq_id for req in requests}
-        for req in requests:
-            tokens = self.history.apply(req)
-            if tokens is None:
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-                continue
-            may_draft, matcher = self.grammar.update(req, tokens)
-            if not may_draft:
-                req = replace(req, k=0)
-            if self._can_draft(req, tokens, in_request):
-                active.append((req, tokens))
-                matchers.append(matcher)
-            else:
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-        if active:
-            self._catch_up(active)
-            with draft_walk(self.grammar, matchers) as walk:
-                for draft in self._draft([req for req, _ in active], walk):
-                    drafts[draft.seq_id] = draft
-        return [drafts[req.seq_id] for req in requests]
+    @property
+    def vocab_subset(self) -> torch.Tensor:
+        return self.head.vocab_subset
 
     # ---- state ----------------------------------------------------------------------------------
 
-    def _can_draft(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
-        if not self._take_features(req) or req.k <= 0:
+    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
+        """Store the request's features; then, for a request that drafts, pick up cached head blocks on first
+        contact and reserve room for catch-up and drafts."""
+        if not self._take_features(req):
             return False
+        if req.k <= 0:
+            return True  # nothing to compute until the sequence drafts
         if self.states[req.seq_id].features.end == 0:  # the verifier sends none: nothing to draft from
             return False
-        return self._prepare(req, tokens, in_request)
+        return self._prepare_blocks(req, tokens, in_request)
 
     def _take_features(self, req: DraftRequest) -> bool:
         """Store the request's features; False (no draft) when they do not line up with its prefix."""
@@ -100,7 +81,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             self._forget(req.seq_id)  # a full resend replaces whatever we built
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params), tenant=req.tenant)
         if req.features is None:
             return True
         features = req.features
@@ -116,20 +97,19 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         self._drop_cache(seq_id)
         del self.states[seq_id]
 
-    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
-        """Pick up cached head blocks on first contact and reserve room for catch-up and drafts."""
+    def _prepare_blocks(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
         state = self.states[req.seq_id]
         keys = _pair_keys(tokens)  # head position j <-> (t_j, t_{j+1})
         if state.num_done == 0 and not self.blocks.has_seq(req.seq_id):
             # Leave the last position to compute: its output is the first draft's feature.
-            match = self.blocks.match_prefix(keys[: len(keys) - 1])
+            match = self.blocks.match_prefix(keys[: len(keys) - 1], state.tenant)
             if match.blocks:
                 state.num_done = state.num_exact = self.blocks.allocate_prefix(req.seq_id, match)
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(state.num_done, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact)
+            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact, state.tenant)
         # catch-up to position len(tokens) - 2, then k - 1 draft positions
-        if not self._reserve(req.seq_id, len(tokens) - 1 + req.k - 1, keep=in_request):
+        if not self._reserve(req.seq_id, len(tokens) - 1 + self.draft_feeds(req), keep=in_request):
             self._drop_cache(req.seq_id)
             return False
         return True
@@ -139,25 +119,26 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         state = self.states[seq_id]
         if self.blocks.has_seq(seq_id):
             keys = _pair_keys(self.history.tokens.get(seq_id, []))
-            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)))
+            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)), state.tenant)
         self.blocks.free(seq_id)
         state.num_done = state.num_exact = 0
         state.last_hidden = None
 
     # ---- forwards -------------------------------------------------------------------------------
 
-    def _forward(self, rows: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
-        """rows: (seq_id, first position, features [n, hidden], next token ids [n]) -> outputs [n, hidden]."""
-        spans = [SeqSpan(self.blocks.block_table(seq_id), start, len(ids)) for seq_id, start, _, ids in rows]
+    def _forward(self, rows: list) -> list[torch.Tensor]:
+        """rows: (seq_id, first position, features [n, hidden], next token ids [n][, tree spec]) -> outputs
+        [n, hidden]; without a tree the positions are causal from the first."""
+        spans = [SeqSpan(self.blocks.block_table(row[0]), row[1], len(row[3]), *row[4:]) for row in rows]
         meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device)
-        features = torch.cat([f for _, _, f, _ in rows])  # [T, hidden]
-        next_ids = torch.tensor([t for *_, ids in rows for t in ids], dtype=torch.int64)
+        features = torch.cat([row[2] for row in rows])  # [T, hidden]
+        next_ids = torch.tensor([t for row in rows for t in row[3]], dtype=torch.int64)
         hidden = self.head(features, next_ids, self.kv_cache.layers, meta)  # [T, hidden]
-        return list(hidden.split([len(ids) for *_, ids in rows]))
+        return list(hidden.split([len(row[3]) for row in rows]))
 
-    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]]) -> None:
-        """Bring every sequence's head to position len(tokens) - 2: real features in one batched forward,
-        positions without one filled one at a time from the head's own guess."""
+    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]], idle: list[tuple[DraftRequest, list[int]]]):
+        """Bring every active sequence's head to position len(tokens) - 2: real features in one batched forward,
+        positions without one filled one at a time from the head's own guess. Idle ones wait until they draft."""
         batch = []
         for req, tokens in active:
             state, end = self.states[req.seq_id], len(tokens) - 1
@@ -192,66 +173,29 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
-    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk) -> list[Draft]:
-        states = [self.states[req.seq_id] for req in reqs]
-        guesses = [s.last_hidden for s in states]  # each: predicted feature at the first draft's position
-        assert all(g is not None for g in guesses)
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
-        ended = [False] * len(reqs)  # the format ended the draft early
-        for step in range(max(req.k for req in reqs)):
-            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
-            if not rows:
-                break
-            if step:
-                forward_rows = [
-                    (reqs[i].seq_id, states[i].num_done + step - 1, guesses[i].unsqueeze(0), [out_ids[i][-1]])  # type: ignore[union-attr]
-                    for i in rows
-                ]
-                for i, out in zip(rows, self._forward(forward_rows), strict=True):
-                    guesses[i] = out[-1]
-            logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
-            logits, rows = walk.mask(logits, rows, ended, self.head.vocab_subset)
-            for i, (token, support) in zip(
-                rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step), strict=True
-            ):
-                keep, draft_on = walk.advance(i, token)
-                ended[i] = not draft_on
-                if not keep:
-                    continue
-                out_ids[i].append(token)
-                if support is not None:
-                    out_probs[i].append(support)
-        return [
-            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
-            for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
-        ]
+    def _root_logits(self, reqs: list[DraftRequest], rows: list[int]) -> torch.Tensor:  # [len(rows), draft_vocab]
+        """The head's output at the last committed position is its guess of the next feature: d_1's logits."""
+        self._fed = {}
+        return self.head.compute_logits(torch.stack([self.states[reqs[i].seq_id].last_hidden for i in rows]))  # type: ignore[misc]
 
-    def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_SeqState], step: int):
-        """logits [rows, draft_vocab] over the subset -> (token id, sparse support or None) per row."""
-        subset = self.head.vocab_subset
-        params = [req.params for req in reqs]
-        if all(p.is_greedy for p in params):
-            for index in logits.argmax(dim=-1).tolist():
-                yield int(subset[index]), None
-            return
-        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, draft_vocab]
-        for row_probs, req, state in zip(probs, reqs, states, strict=True):
-            p = req.params
-            if p.is_greedy:
-                yield int(subset[row_probs.argmax()]), None
-                continue
-            if p.seed is not None:
-                # The target's noise at this output position, read at the subset's token ids; the verifier
-                # accepts exactly what it would emit and reads no draft probabilities.
-                noise = gumbel_noise(p.seed, [req.draft_position + step], self.vocab_size)[:, subset.cpu()]
-                yield int(subset[gumbel_argmax(row_probs.unsqueeze(0), noise)[0]]), None  # noise: [1, draft_vocab]
-                continue
-            # The head's distribution is zero outside the subset; truncate to top_n and send exactly that.
-            top_probs, top_index = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
-            top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), subset[top_index].cpu()
-            choice = torch.multinomial(top_probs, 1, generator=state.generator)
-            yield int(top_ids[choice]), (top_ids, top_probs)
+    def _expand_logits(self, reqs: list[DraftRequest], expansions: list[Expansion]) -> torch.Tensor:
+        """The head fed a drafted token with the feature it guessed for it (its parent's output), at head position
+        num_done + depth - 1, written at slot num_done + index; a tree node sees the prefix and its ancestors."""
+        rows = []
+        for e in expansions:
+            seq_id = reqs[e.row].seq_id
+            state = self.states[seq_id]
+            feature = state.last_hidden if e.parent < 0 else self._fed[(e.row, e.parent)]
+            assert feature is not None
+            tree = None
+            if not e.in_chain:
+                visible = tuple(state.num_done + a for a in e.ancestors)
+                tree = TreeSpec(state.num_done, (state.num_done + e.depth - 1,), (visible,))
+            rows.append((seq_id, state.num_done + e.index, feature.unsqueeze(0), [e.token], tree))
+        outs = self._forward(rows)
+        for e, out in zip(expansions, outs, strict=True):
+            self._fed[(e.row, e.index)] = out[-1]
+        return self.head.compute_logits(torch.stack([out[-1] for out in outs]))
 
 
 def _pair_keys(tokens: list[int]) -> list[int]:

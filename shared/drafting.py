@@ -32,23 +32,70 @@ class DraftRequest:
     # The request's tenant (the API key's name, '' = anonymous): a drafter that remembers text across requests
     # keeps it per tenant.
     tenant: str = ""
+    # Largest token tree the verifier scores this step (nodes, depth <= k); 0: a chain of at most k tokens.
+    max_tree_nodes: int = 0
 
 
 @dataclass(frozen=True)
 class SparseProbs:
-    """The distribution each draft token was sampled from, as its support: ids and probabilities."""
+    """Draft distributions as their supports: the ids and probabilities a truncating drafter sampled from.
+    One draft's are [k, n] (rows sum to 1); the verifier batches rows as [batch, k_max, n]. Duplicate ids add
+    up; entries with probability 0 are padding and may carry any id."""
 
-    token_ids: torch.Tensor  # [k, n] int64
-    probs: torch.Tensor  # [k, n] fp32, rows sum to 1
+    token_ids: torch.Tensor  # [..., n] int64
+    probs: torch.Tensor  # [..., n] fp32
+
+    def check(self, vocab_size: int) -> None:
+        """ValueError for an out-of-vocabulary id with positive probability (dropping its mass would make the
+        verification inexact). Call it on the CPU tensors a proposer sent: on a device it would synchronise."""
+        if self.token_ids.shape != self.probs.shape:
+            raise ValueError(f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} differ")
+        in_vocab = (self.token_ids >= 0) & (self.token_ids < vocab_size)
+        if bool(((~in_vocab) & (self.probs != 0)).any()):
+            raise ValueError(f"sparse draft ids outside [0, {vocab_size}) carry nonzero probability")
+
+    def to(self, device: torch.device | str) -> SparseProbs:
+        return SparseProbs(self.token_ids.to(device), self.probs.to(device, torch.float32))
 
 
 @dataclass(frozen=True)
 class Draft:
+    """A chain of draft tokens, or a token tree: `token_ids` are then the nodes in topological order and
+    `parents[i]` node i's parent (-1: the last committed token, else an earlier node)."""
+
     seq_id: str
     committed_len: int
     token_ids: list[int]  # at most k; fewer (even none) is allowed
-    probs: SparseProbs | None = None  # None: each token was chosen deterministically (one-hot)
+    probs: SparseProbs | None = None  # per token: the distribution it was sampled from; None: deterministic
     needs_resync: bool = False  # the drafter lacks this sequence's history: resend it whole
+    parents: list[int] | None = None  # None: a chain
+    # No draft because the drafter could not be reached (a remote proposer down or late): a resync it implies
+    # costs nothing until the proposer is back, so the verifier's resync budget does not count it.
+    unreachable: bool = False
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def depth(self) -> int:
+        """The longest path, in tokens (a chain's length)."""
+        return max(tree_depths(self.parents), default=0) if self.parents is not None else len(self.token_ids)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1 for a child of the root); parents must be topological (parents[i] < i)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """children[0] are the root's, children[i + 1] node i's, each in node order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
 
 
 class Drafter(Protocol):

@@ -9,6 +9,25 @@ from shared.tls import TLSConfig
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings; the defaults here are the service's (VerifierConfig's flags start from them)."""
+
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting: int = 256
+    # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
+    adaptive_k: bool = True
+    probe_interval: int = 16  # steps between k = 1 probes of sequences the policy keeps at k = 0
+    # Token trees: at most this many draft nodes per sequence (depth <= num_speculative_tokens); 0: chains only.
+    max_tree_nodes: int = 0
+
+
+ENGINE_DEFAULTS = EngineConfig()
+
+
+@dataclass(frozen=True)
 class VerifierConfig(TLSConfig):
     """specdec verifier: owns the target model and its paged KV cache, verifies drafts from a proposer."""
 
@@ -24,13 +43,21 @@ class VerifierConfig(TLSConfig):
         },
     )
     num_speculative_tokens: int = field(
-        default=4, metadata={"help": "draft length k per sequence per step (the largest k when adaptive)"}
+        default=ENGINE_DEFAULTS.num_speculative_tokens,
+        metadata={"help": "draft length k per sequence per step (the largest k when adaptive)"},
     )
     adaptive_k: bool = field(
-        default=True,
+        default=ENGINE_DEFAULTS.adaptive_k,
         metadata={
             "help": "choose k per sequence from its acceptance and the measured draft cost (0 when drafting "
             "does not pay); --no-adaptive-k always drafts num_speculative_tokens"
+        },
+    )
+    max_tree_nodes: int = field(
+        default=ENGINE_DEFAULTS.max_tree_nodes,
+        metadata={
+            "help": "token trees: the most draft nodes scored per sequence per step (depth <= the draft length); "
+            "0: chains only"
         },
     )
     host: str = field(
@@ -38,10 +65,13 @@ class VerifierConfig(TLSConfig):
         metadata={"help": "address to listen on (loopback by default: an internal service; 0.0.0.0 in a pod)"},
     )
     port: int = field(default=50052, metadata={"help": "port to listen on (0: any free port)"})
-    max_num_seqs: int = field(default=8, metadata={"help": "sequences in the running batch"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens fed per engine step"})
+    max_num_seqs: int = field(default=ENGINE_DEFAULTS.max_num_seqs, metadata={"help": "sequences in the running batch"})
+    max_num_batched_tokens: int = field(
+        default=ENGINE_DEFAULTS.max_num_batched_tokens, metadata={"help": "tokens fed per engine step"}
+    )
     max_model_len: int = field(
-        default=2048, metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"}
+        default=ENGINE_DEFAULTS.max_model_len,
+        metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"},
     )
     block_size: int = field(
         default=0,
@@ -58,7 +88,9 @@ class VerifierConfig(TLSConfig):
             "--no-enable-prefix-caching recomputes every prompt"
         },
     )
-    max_waiting: int = field(default=256, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"})
+    max_waiting: int = field(
+        default=ENGINE_DEFAULTS.max_waiting, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"}
+    )
     warm_up: bool = field(
         default=True,
         metadata={
@@ -70,6 +102,13 @@ class VerifierConfig(TLSConfig):
     proposer_timeout_ms: int = field(
         default=2000,
         metadata={"help": "deadline of one propose round trip; past it the step decodes with k = 0 and reconnects"},
+    )
+    max_draft_support: int = field(
+        default=1024,
+        metadata={
+            "help": "widest draft distribution per position accepted from the proposer (stated to it at the "
+            "handshake; capped by the vocabulary): a wider draft is dropped and counted as invalid"
+        },
     )
     proposer_reconnect_max_s: float = field(
         default=10.0, metadata={"help": "longest wait between proposer reconnection attempts (exponential backoff)"}
@@ -113,20 +152,36 @@ class VerifierConfig(TLSConfig):
         },
     )
 
+    def engine_config(self, max_model_len: int) -> EngineConfig:
+        """The engine's settings from these flags; `max_model_len` clamped to the model's."""
+        return EngineConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_waiting=self.max_waiting,
+            adaptive_k=self.adaptive_k,
+            max_tree_nodes=self.max_tree_nodes,
+        )
+
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens < 0 or self.max_tree_nodes < 0:
+            raise ValueError(
+                f"--num-speculative-tokens and --max-tree-nodes must be >= 0, got {self.num_speculative_tokens}, "
+                f"{self.max_tree_nodes}"
+            )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
             "default_max_tokens",
             "proposer_timeout_ms",
+            "max_draft_support",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

@@ -12,13 +12,16 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shared.errors import NumericalError, ReaderStalledError, UnavailableError
+from shared.errors import InvalidRequestError, NumericalError, ReaderStalledError, UnavailableError
+from shared.grammar import GrammarMatcher
 from shared.logprobs import TokenLogprob
 from shared.sampling import SamplingParams
-from verifier_service.engine import Engine, RequestOutput
+from verifier_service.engine import Engine, RequestOutput, SpeculationRatios
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
 
@@ -27,6 +30,13 @@ log = logging.getLogger("specdec.verifier.loop")
 # Updates a request may have waiting for its reader. A reader that stops (a stalled client behind gRPC flow
 # control) must not make the verifier buffer its tokens without bound: past this it is failed, its blocks freed.
 MAX_BUFFERED_UPDATES = 4096
+# A request's output format is compiled by its own small pool of threads (llguidance releases the GIL), never
+# on the event loop nor in the default executor that runs the engine's steps: a large schema costs its sender
+# the wait, not every running stream. Past the timeout the request is refused (the compile, bounded by the
+# grammar engine's own limits, finishes in the background and is cached).
+# A quarter of the cores, at least one: compiling must not take the CPU the engine's steps need either.
+GRAMMAR_THREADS = max(1, (os.cpu_count() or 1) // 4)
+GRAMMAR_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -41,8 +51,13 @@ class RequestUsage:
     num_steps: int = 0  # engine steps that emitted tokens for this request
 
     @property
-    def mean_accepted_length(self) -> float:
+    def tokens_per_step(self) -> float:
         return self.completion_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
 
 
 @dataclass(frozen=True)
@@ -62,8 +77,9 @@ class Update:
 
 
 @dataclass(frozen=True)
-class StatsSnapshot:
-    """The fields of the proto EngineStats, plus the proposer fallback counters."""
+class StatsSnapshot(SpeculationRatios):
+    """The engine's counters and gauges at one moment: the proto EngineStats, field for field (its ratios are
+    the properties below; server.stats_to_proto copies every proto field by name)."""
 
     running_requests: int
     waiting_requests: int
@@ -77,8 +93,7 @@ class StatsSnapshot:
     emitted_tokens: int
     steps: int
     sequence_steps: int
-    mean_accepted_length: float  # emitted_tokens / sequence_steps
-    acceptance_rate: float  # accepted_tokens / drafted_tokens
+    draft_rounds: int
     preemptions: int
     proposer_connected: bool
     finished_requests: int
@@ -89,6 +104,11 @@ class StatsSnapshot:
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which served from the prefix cache
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -106,6 +126,8 @@ class EngineLoop:
         self, engine: Engine, proposer: RemoteProposer | None = None, max_buffered_updates: int = MAX_BUFFERED_UPDATES
     ) -> None:
         self.max_buffered_updates = max_buffered_updates
+        self.grammar_timeout_s = GRAMMAR_TIMEOUT_S
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self.engine = engine
         self.proposer = proposer
         self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts
@@ -171,6 +193,7 @@ class EngineLoop:
         if self._task is not None:
             await self._task
             self._task = None
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_requests(self) -> int:
@@ -195,12 +218,13 @@ class EngineLoop:
         if not self._accepting or self._stopping:
             raise UnavailableError("the verifier is shutting down; retry on another verifier")
         tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
+        grammar = await self._build_grammar(params, prompt_ids, output_offset)
         async with self._lock:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
             self.engine.add_request(
-                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs, tenant
+                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs, tenant, grammar
             )
             self._requests[request_id] = tracked
             self._idle.clear()
@@ -220,6 +244,22 @@ class EngineLoop:
         finally:
             if not done:
                 self.abort(request_id)
+
+    async def _build_grammar(
+        self, params: SamplingParams, prompt_ids: list[int], output_offset: int
+    ) -> GrammarMatcher | None:
+        """The request's format matcher, built in the grammar pool while the engine keeps stepping."""
+        if params.structured_output is None:
+            return None
+        work = asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.engine.build_grammar, params, list(prompt_ids), output_offset
+        )
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), self.grammar_timeout_s)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"the output format took longer than {self.grammar_timeout_s:g} s to compile: simplify it"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: applied at the next step boundary (its blocks are free before the next step)."""
@@ -347,8 +387,7 @@ class EngineLoop:
             emitted_tokens=s.emitted_tokens,
             steps=s.steps,
             sequence_steps=s.sequence_steps,
-            mean_accepted_length=s.emitted_tokens / s.sequence_steps if s.sequence_steps else 0.0,
-            acceptance_rate=s.acceptance_rate,
+            draft_rounds=s.draft_rounds,
             preemptions=engine.scheduler.num_preemptions,
             proposer_connected=self.proposer is not None and self.proposer.connected,
             finished_requests=self.finished_requests,

@@ -24,9 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-import torch
 
-from shared.drafting import Draft, DraftRequest, SparseProbs
+from shared.draft_codec import DEFAULT_MAX_DRAFT_SUPPORT, unpack_draft
+from shared.drafting import Draft, DraftRequest
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
 from shared.proto_convert import sampling_params_to_proto
@@ -42,55 +42,6 @@ class IncompatibleProposerError(Exception):
 
 
 MAX_LATE_REPLIES = 8  # in a row: past that the proposer cannot keep up and its backlog only grows: drop the stream
-PROB_SUM_TOLERANCE = 1e-3  # float32 probabilities over a few thousand ids sum to 1 within ~1e-5
-
-
-def unpack_draft(msg: proposer_pb2.Draft, vocab_size: int, max_k: int | None = None) -> Draft:
-    """Wire draft -> domain draft (probabilities exactly as sent, float32).
-
-    The proposer is untrusted input: raises ValueError for a draft that would make verification wrong or
-    crash: more tokens than the `max_k` asked for, ids outside the target vocabulary, inconsistent counts,
-    negative or non-finite probabilities, a distribution that does not sum to 1, or a drafted token that
-    has no positive probability in the distribution it was supposedly sampled from.
-    """
-    token_ids = list(msg.draft_token_ids)
-    k = len(token_ids)
-    if max_k is not None and k > max_k:
-        raise ValueError(f"{k} draft tokens where at most {max_k} were asked for")
-    if any(not 0 <= t < vocab_size for t in token_ids):
-        raise ValueError(f"draft token ids outside the vocabulary [0, {vocab_size})")
-    counts = list(msg.draft_prob_counts)
-    if not counts or not k:
-        if counts and sum(counts):
-            raise ValueError("draft probabilities without draft tokens")
-        return Draft(msg.seq_id, msg.committed_len, token_ids, None, msg.needs_resync)
-    total = len(msg.draft_probs)
-    if len(counts) != k or sum(counts) != total or len(msg.draft_prob_token_ids) != total or min(counts) < 1:
-        raise ValueError(f"draft_prob_counts {counts} do not match {k} draft tokens and {total} probabilities")
-    flat_ids = torch.tensor(list(msg.draft_prob_token_ids), dtype=torch.int64)
-    flat_probs = torch.tensor(list(msg.draft_probs), dtype=torch.float32)
-    if bool(((flat_ids < 0) | (flat_ids >= vocab_size)).any()):
-        raise ValueError(f"draft distribution ids outside the vocabulary [0, {vocab_size})")
-    if not bool(torch.isfinite(flat_probs).all()) or bool((flat_probs < 0).any()):
-        raise ValueError("draft probabilities must be finite and >= 0")
-    sums = torch.zeros(k, dtype=torch.float64).index_add_(
-        0, torch.repeat_interleave(torch.arange(k), torch.tensor(counts)), flat_probs.double()
-    )
-    if bool(((sums - 1).abs() > PROB_SUM_TOLERANCE).any()):
-        raise ValueError(f"draft distributions must sum to 1, got sums {[round(x, 6) for x in sums.tolist()]}")
-    counts_t = torch.tensor(counts, dtype=torch.int64)
-    n = int(counts_t.max())
-    rows = torch.repeat_interleave(torch.arange(k), counts_t)  # [total]
-    starts = torch.cumsum(counts_t, 0) - counts_t  # [k]
-    cols = torch.arange(total) - starts[rows]  # [total]
-    ids = torch.zeros(k, n, dtype=torch.int64)  # padding: id 0 with probability 0
-    probs = torch.zeros(k, n, dtype=torch.float32)
-    ids[rows, cols] = flat_ids
-    probs[rows, cols] = flat_probs
-    drafted = torch.tensor(token_ids, dtype=torch.int64).unsqueeze(1)  # [k, 1]
-    if not bool(((ids == drafted) & (probs > 0)).any(dim=1).all()):
-        raise ValueError("a drafted token has no positive probability in its draft distribution")
-    return Draft(msg.seq_id, msg.committed_len, token_ids, SparseProbs(ids, probs), msg.needs_resync)
 
 
 @dataclass(frozen=True)
@@ -122,11 +73,15 @@ class RemoteProposer:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
+        max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
+        max_tree_nodes: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
         self.addresses = list(addresses)
         self.vocab_size = vocab_size
+        # The widest draft distribution per position accepted, stated to the proposer at each handshake.
+        self.max_draft_support = min(max_draft_support, vocab_size)
         self.hidden_size = hidden_size
         # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
         # so a sequence resent in full after a reconnect carries them all.
@@ -136,6 +91,7 @@ class RemoteProposer:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
+        self.max_tree_nodes = max_tree_nodes  # stated at the handshake; each sequence's bound travels with it
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -215,7 +171,10 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
+            handshake = proposer_pb2.GetInfoRequest(
+                max_tree_nodes=self.max_tree_nodes, max_draft_support=self.max_draft_support
+            )
+            info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             call = stub.Propose()
@@ -323,6 +282,17 @@ class RemoteProposer:
             return self._fallback(requests)
         return self._unpack(requests, message, response, call, loop)
 
+    def notify(self, requests: list[DraftRequest]) -> None:
+        """Send sequences' committed tokens (k = 0) without waiting for the answer: the proposer follows them off
+        the verifier's critical path. It applies the message in order, before the next one; its empty reply is
+        dropped. Without a stream nothing is sent, and the next call resends what is missing (needs_resync)."""
+        call, loop = self._call, self._loop
+        if not requests or not self._connected or call is None or loop is None:
+            return
+        message = self._build_request(requests)
+        future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error surfaces on the next call
+
     def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         if self._connected:
             log.warning(
@@ -337,7 +307,7 @@ class RemoteProposer:
         tokens."""
         self.fallback_steps += 1
         self.last_round_trip = RoundTrip(0.0, 0.0, True)
-        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync) for r in requests]
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync, unreachable=True) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
         with self._release_lock:
@@ -360,6 +330,7 @@ class RemoteProposer:
                 sampling_params=sampling_params_to_proto(r.params),
                 draft_position=r.draft_position,
                 tenant=r.tenant,
+                max_tree_nodes=r.max_tree_nodes,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))
@@ -414,7 +385,9 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k)
+                draft = unpack_draft(
+                    msg, self.vocab_size, sent.k, sent.max_tree_nodes, max_support=self.max_draft_support
+                )
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))

@@ -11,7 +11,8 @@ import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from proposer_service.config import ProposerConfig
-from proposer_service.server import ProposerServer, build_drafter
+from proposer_service.builder import build_drafter
+from proposer_service.server import ProposerServer
 from proposer_service.suffix import GLOBAL, SuffixDrafter
 from shared.config import load_config
 from shared.proto_gen.specdec.v1 import proposer_pb2, verifier_pb2_grpc

@@ -1,26 +1,35 @@
-"""The tokenizer front end: request validation, tokenization, and the per-request output side
-(detokenization, stop strings, token accounting). Pure Python, no grpc: it works on plain values and
-raises `shared.errors.InvalidRequestError` with messages written for a person.
+"""Preparing requests, for both front ends: field validation, tokenization or the chat template, defaults
+resolved into a PreparedRequest (what the verifier is sent), and each request's output processor
+(gateway/output.py). Pure Python, no grpc: it works on plain values and raises
+`shared.errors.InvalidRequestError` with messages written for a person.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.format_check import FormatChecker
+from gateway.output import OutputProcessor
 from shared.errors import InvalidRequestError
 from shared.grammar import StructuredOutput
-from shared.logprobs import TokenLogprob, check_top_logprobs
+from shared.logprobs import check_top_logprobs
 from shared.proto_convert import structured_output_from_proto
 from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
+# The wire types of the verifier call (protos/specdec/v1): a value outside them would fail building the proto
+# (a 500 after tokenizing and routing), so the edge refuses it first.
+_INT32_MAX = 2**31 - 1
+MAX_ROLE_CHARS = 64  # 'system', 'user', 'assistant', 'tool', ...: a role is a word, never a document
+_UINT32_MAX = 2**32 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,7 @@ class PreparedRequest:
     tenant: str = ""  # the API key's name ('' = anonymous): verifier and proposer keep cached text per tenant
 
 
-class Frontend:
+class RequestPreparer:
     def __init__(self, tokenizer: Any, config: GatewayConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
@@ -124,6 +133,7 @@ class Frontend:
         if not given:
             raise InvalidRequestError("the prompt is empty: set prompt (text), prompt_token_ids or messages (chat)")
         self._check_messages(req.messages)
+        self._check_wire_ranges(req)
         why = check_top_logprobs(req.logprobs, req.top_logprobs)
         if why is not None:
             raise InvalidRequestError(why)
@@ -160,6 +170,18 @@ class Frontend:
             )
 
     @staticmethod
+    def _check_wire_ranges(req: RequestFields) -> None:
+        """Numbers the HTTP front end parsed as Python ints and floats must fit the verifier call's proto types."""
+        for name, top in (("top_k", _INT32_MAX), ("max_tokens", _UINT32_MAX), ("max_draft_tokens", _UINT32_MAX)):
+            value = getattr(req, name)
+            if value is not None and not -_INT32_MAX - 1 <= value <= top:
+                raise InvalidRequestError(f"{name} must lie in [0, {top}], got {value}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(req, name)
+            if value is not None and math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+                raise InvalidRequestError(f"{name} must be at most {_FLOAT32_MAX:.7g} in size, got {value}")
+
+    @staticmethod
     def _prompt_kinds(req: RequestFields) -> list[tuple[str, Any]]:
         return [("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids), ("messages", req.messages)]
 
@@ -171,14 +193,21 @@ class Frontend:
                 "this model's tokenizer has no chat template, so messages cannot be used: send prompt (text) or "
                 "prompt_token_ids with the model's own prompt format"
             )
-        chars = sum(len(content) for _, content in messages)
-        if chars > self.config.max_prompt_chars:
+        cfg = self.config
+        if len(messages) > cfg.max_messages:
+            raise InvalidRequestError(f"the chat has {len(messages)} messages; the limit is {cfg.max_messages}")
+        chars = sum(len(role) + len(content) for role, content in messages)
+        if chars > cfg.max_prompt_chars:
             raise InvalidRequestError(
-                f"the messages have {chars} characters; the limit is {self.config.max_prompt_chars}"
+                f"the messages have {chars} characters (roles and contents); the limit is {cfg.max_prompt_chars}"
             )
         for i, (role, _) in enumerate(messages):
             if not role:
                 raise InvalidRequestError(f"message {i} has no role (e.g. 'system', 'user', 'assistant')")
+            if len(role) > MAX_ROLE_CHARS:
+                raise InvalidRequestError(
+                    f"message {i}'s role has {len(role)} characters; the limit is {MAX_ROLE_CHARS}"
+                )
 
     @property
     def has_chat_template(self) -> bool:
@@ -212,6 +241,23 @@ class Frontend:
                 f"the prompt is {len(ids)} tokens long; the limit is {self.config.max_prompt_tokens}"
             )
         return ids
+
+    def prepare_request(
+        self, req: RequestFields, vocab_size: int | None, request_id: str, tenant: str = ""
+    ) -> PreparedRequest:
+        """Everything a request needs before routing, in one call (the core runs it in a worker thread): the fields
+        checked, the output format compiled (a bad one is refused here, before routing; 1-40 ms, cached), the
+        prompt tokenized or the chat rendered, the defaults resolved; `tenant`: the API key's name."""
+        self.check_fields(req, vocab_size)
+        if req.structured_output is not None:
+            self.formats.check(req.structured_output)
+        if req.messages:
+            prompt_ids = self.render_chat(req.messages)
+        elif req.prompt:
+            prompt_ids = self.tokenize(req.prompt)
+        else:
+            prompt_ids = tuple(req.prompt_token_ids)
+        return dataclasses.replace(self.prepare(req, prompt_ids, request_id), tenant=tenant)
 
     def prepare(
         self, req: RequestFields, prompt_ids: Sequence[int] | None = None, request_id: str = ""
@@ -282,58 +328,3 @@ class Frontend:
             StopStringMatcher(prepared.stop),
             prepared.max_tokens,
         )
-
-
-@dataclass
-class Chunk:
-    """What one verifier message turns into for the client."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    stop_string: str | None = None  # set when a stop string ended the output
-    length_reached: bool = False  # max_tokens reached (a misbehaving verifier's extra tokens are cut)
-    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
-
-
-class OutputProcessor:
-    """Per request: the token history (for resuming elsewhere), the text, stop strings, max_tokens."""
-
-    def __init__(self, detok: IncrementalDetokenizer, stops: StopStringMatcher, max_tokens: int) -> None:
-        self._detok = detok
-        self._stops = stops
-        self.max_tokens = max_tokens
-        self.token_ids: list[int] = []  # everything emitted to the client so far
-        self.finished = False
-
-    def add(self, token_ids: Sequence[int]) -> Chunk:
-        """Processes tokens one by one; stops at a stop string or at max_tokens."""
-        chunk = Chunk()
-        for token in token_ids:
-            if self.finished:
-                break
-            self.token_ids.append(token)
-            chunk.token_ids.append(token)
-            text, match = self._stops.feed(self._detok.add(token))
-            if match is not None:
-                chunk.text += match.text
-                chunk.stop_string = match.stop_string
-                self.finished = True
-                break
-            chunk.text += text
-            if len(self.token_ids) >= self.max_tokens:
-                chunk.length_reached = True
-                break
-        return chunk
-
-    def finish(self) -> Chunk:
-        """The held-back text at the end of the output (a stop string may still complete in it)."""
-        chunk = Chunk()
-        if self.finished:
-            return chunk
-        self.finished = True
-        text, match = self._stops.feed(self._detok.flush())
-        if match is not None:
-            chunk.text, chunk.stop_string = match.text, match.stop_string
-            return chunk
-        chunk.text = text + self._stops.flush()
-        return chunk
