@@ -18,6 +18,12 @@ of a scored token (best on quoting prompts, within 3 % of the best on general on
 score (the sum of its path probabilities: the tokens the target is expected to accept) wins, from either tree;
 none when nothing followed. Drafts are one-hot (deterministic), verified as n-gram drafts are.
 
+When the verifier takes a token tree (`DraftRequest.max_tree_nodes` > 0), the best match's continuations are
+taken best first by path probability (`SuffixTree.best_tree`) while it stays >= min_token_prob: at most
+max_tree_nodes nodes (the verifier's policy weighs their scoring cost), none deeper than the chain would go
+(min(k, m * max_spec_factor + max_spec_offset): how far the match is trusted). One that does not branch goes as
+a chain.
+
 A sequence with a format gets only the part of its draft the format allows, then what the format forces
 (proposer_service/draft_grammar.py), as with the n-gram drafter.
 """
@@ -46,13 +52,15 @@ class SuffixStats:
     drafts: dict[str, int] = field(default_factory=lambda: {LOCAL: 0, GLOBAL: 0})  # by the tree that won
     draft_tokens: dict[str, int] = field(default_factory=lambda: {LOCAL: 0, GLOBAL: 0})
     draft_lengths: dict[int, int] = field(default_factory=dict)  # length -> drafts (0: asked, nothing drafted)
+    tree_drafts: int = 0  # drafts sent as token trees (that branch); their length is their node count
 
-    def record(self, source: str | None, length: int) -> None:
+    def record(self, source: str | None, length: int, tree: bool = False) -> None:
         self.proposals += 1
         self.draft_lengths[length] = self.draft_lengths.get(length, 0) + 1
         if source is not None and length:
             self.drafts[source] += 1
             self.draft_tokens[source] += length
+            self.tree_drafts += tree
 
 
 @dataclass
@@ -111,8 +119,13 @@ class SuffixDrafter:
         may_draft, matcher = self.grammar.update(req, state.tokens.tolist() if constrained else [])
         if req.k <= 0:
             return Draft(req.seq_id, req.committed_len, [])
-        source, run = self._draft(state, req.k) if may_draft else (None, [])
-        self.stats.record(source, len(run))
+        tree_nodes = req.max_tree_nodes if matcher is None else 0  # a format drafts a chain, as with n-gram
+        source, best = self._best(state, req.k, tree_nodes) if may_draft else (None, EMPTY)
+        run, parents = best.token_ids, best.parents
+        is_tree = any(parent != i - 1 for i, parent in enumerate(parents))
+        self.stats.record(source, len(run), is_tree)
+        if is_tree:
+            return Draft(req.seq_id, req.committed_len, run, parents=parents)
         if matcher is not None:
             run = run[: matcher.num_valid(run)]
             if len(run) < req.k:  # what the format forces next (keys, punctuation) is accepted for sure
@@ -149,28 +162,24 @@ class SuffixDrafter:
 
     # ---- drafting ------------------------------------------------------------------------------
 
-    def _draft(self, state: _Request, k: int) -> tuple[str | None, list[int]]:
-        source, best = self._best(state, k, 0)
-        return source, best.token_ids
-
     def continuation(self, seq_id: str, k: int, tree_nodes: int = 0) -> tuple[str | None, Continuation]:
-        """The best continuation of a sequence this drafter follows, as of its last request, and the tree it came
-        from: the chain `propose` sends (at most k tokens), or with tree_nodes > 0 several frequent continuations
-        of the same best match as one token tree of at most tree_nodes nodes, none deeper than k
-        (`SuffixTree.best_tree`: tokens in topological order and each one's parent index, -1 for the match), for
-        tree verification."""
+        """What `propose` would draft for a sequence this drafter follows, as of its last request, and the tree it
+        came from: the best chain of at most k tokens, or with tree_nodes > 0 a token tree (tokens in topological
+        order and each one's parent index, -1 for the match)."""
         state = self.requests.get(seq_id)
         return (None, EMPTY) if state is None else self._best(state, k, tree_nodes)
 
     def _best(self, state: _Request, k: int, tree_nodes: int) -> tuple[str | None, Continuation]:
+        """The best chain over both trees' matches; with tree_nodes > 0, the best match's most probable
+        continuations as a tree of at most tree_nodes nodes, none deeper than its chain may go."""
         best, source, where = EMPTY, None, None
         for name, tree, ends in self._matches(state):
             candidate, match = self._best_continuation(tree, ends, k, best.score)
-            if candidate.score > best.score:
-                best, source, where = candidate, name, (tree, match)
-        if tree_nodes > 0 and where is not None and where[1] is not None:
-            tree, (node, offset) = where[0], where[1]
-            best = tree.best_tree(node, offset, tree_nodes, self.min_token_prob, k)
+            if candidate.score > best.score and match is not None:
+                best, source, where = candidate, name, (tree, *match)
+        if tree_nodes > 0 and where is not None:
+            tree, node, offset, max_tokens = where
+            best = tree.best_tree(node, offset, tree_nodes, self.min_token_prob, max_tokens)
         return source, best
 
     def _matches(self, state: _Request) -> Iterable[tuple[str, SuffixTree, list[tuple[Node, int, int]]]]:
@@ -195,10 +204,10 @@ class SuffixDrafter:
 
     def _best_continuation(
         self, tree: SuffixTree, matches: list[tuple[Node, int, int]], k: int, to_beat: float
-    ) -> tuple[Continuation, tuple[Node, int] | None]:
-        """The best chain over the matches and where it starts. Longest matches first; a shorter one wins only
-        with a strictly higher score."""
-        best: tuple[Continuation, tuple[Node, int] | None] = (EMPTY, None)
+    ) -> tuple[Continuation, tuple[Node, int, int] | None]:
+        """The best chain over the matches and where it starts (node, offset, the chain's length bound there).
+        Longest matches first; a shorter one wins only with a strictly higher score."""
+        best: tuple[Continuation, tuple[Node, int, int] | None] = (EMPTY, None)
         for node, offset, length in matches:
             max_tokens = min(k, int(length * self.max_spec_factor + self.max_spec_offset + 1e-6))
             if max_tokens <= 0 or (offset == node.length and not node.children):
@@ -209,7 +218,7 @@ class SuffixDrafter:
                 continue
             candidate = tree.best_chain(node, offset, max_tokens, self.min_token_prob)
             if candidate.score > best[0].score:
-                best = (candidate, (node, offset))
+                best = (candidate, (node, offset, max_tokens))
         return best
 
 

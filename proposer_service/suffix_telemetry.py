@@ -27,63 +27,82 @@ def register_suffix_metrics(meter: Any, drafter: SuffixDrafter) -> None:
     def by_tree(counts: dict[str, int]):
         return lambda _options: [Observation(counts[tree], {"tree": tree}) for tree in (LOCAL, GLOBAL)]
 
-    meter.create_observable_counter(
-        "specdec_proposer_suffix_proposals",
-        [lambda _o: [Observation(stats.proposals)]],
-        unit="{sequence}",
-        description="sequences asked for a draft (k > 0)",
-    )
-    meter.create_observable_counter(
-        "specdec_proposer_suffix_drafts",
-        [by_tree(stats.drafts)],
-        unit="{draft}",
-        description="drafts made, by the tree they came from: the request's own text (local) or its tenant's "
-        "earlier outputs (global); proposals without a draft found no continuation",
-    )
-    meter.create_observable_counter(
-        "specdec_proposer_suffix_draft_tokens",
-        [by_tree(stats.draft_tokens)],
-        unit="{token}",
-        description="draft tokens proposed, by the tree they came from",
-    )
-    meter.create_observable_counter(
-        "specdec_proposer_suffix_drafts_by_length",
-        [
+    metrics = [  # (name, instrument, unit, description, callback)
+        (
+            "specdec_proposer_suffix_proposals",
+            "counter",
+            "{sequence}",
+            "sequences asked for a draft (k > 0)",
+            lambda _o: [Observation(stats.proposals)],
+        ),
+        (
+            "specdec_proposer_suffix_drafts",
+            "counter",
+            "{draft}",
+            "drafts made, by the tree they came from: the request's own text (local) or its tenant's "
+            "earlier outputs (global); proposals without a draft found no continuation",
+            by_tree(stats.drafts),
+        ),
+        (
+            "specdec_proposer_suffix_draft_tokens",
+            "counter",
+            "{token}",
+            "draft tokens proposed, by the tree they came from",
+            by_tree(stats.draft_tokens),
+        ),
+        (
+            "specdec_proposer_suffix_tree_drafts",
+            "counter",
+            "{draft}",
+            "drafts sent as token trees (where the verifier takes trees and the continuations branch)",
+            lambda _o: [Observation(stats.tree_drafts)],
+        ),
+        (
+            "specdec_proposer_suffix_drafts_by_length",
+            "counter",
+            "{draft}",
+            "proposals by the length of their draft, a tree's by its nodes (0: nothing drafted)",
             lambda _o: [
                 Observation(n, {"length": str(length)}) for length, n in sorted(list(stats.draft_lengths.items()))
-            ]
-        ],
-        unit="{draft}",
-        description="proposals by the length of their draft (0: nothing drafted)",
-    )
-    meter.create_observable_gauge(
-        "specdec_proposer_suffix_tree_tokens",
-        [per_tree(lambda: cache.num_tokens, lambda: sum(t.num_tokens for t in local_trees()))],
-        unit="{token}",
-        description="tokens indexed: global trees (earlier outputs, within --suffix-cache-tokens), local trees "
-        "(running requests' prompts and outputs)",
-    )
-    meter.create_observable_gauge(
-        "specdec_proposer_suffix_tree_nodes",
-        [per_tree(lambda: cache.num_nodes, lambda: sum(t.num_nodes for t in local_trees()))],
-        unit="{node}",
-        description="suffix tree nodes",
-    )
-    meter.create_observable_gauge(
-        "specdec_proposer_suffix_tree_memory_bytes",
-        [per_tree(cache.memory_bytes, lambda: sum(t.memory_bytes() for t in local_trees()))],
-        unit="By",
-        description="estimated memory of the trees (nodes and token arrays)",
-    )
-    meter.create_observable_gauge(
-        "specdec_proposer_suffix_cached_requests",
-        [lambda _o: [Observation(len(cache))]],
-        unit="{request}",
-        description="requests whose output the global trees hold",
-    )
-    meter.create_observable_counter(
-        "specdec_proposer_suffix_evicted_requests",
-        [lambda _o: [Observation(cache.evicted_requests)]],
-        unit="{request}",
-        description="requests evicted from the global trees to keep --suffix-cache-tokens",
-    )
+            ],
+        ),
+        (
+            "specdec_proposer_suffix_tree_tokens",
+            "gauge",
+            "{token}",
+            "tokens indexed: global trees (earlier outputs, within --suffix-cache-tokens), local trees "
+            "(running requests' prompts and outputs)",
+            per_tree(lambda: cache.num_tokens, lambda: sum(t.num_tokens for t in local_trees())),
+        ),
+        (
+            "specdec_proposer_suffix_tree_nodes",
+            "gauge",
+            "{node}",
+            "suffix tree nodes",
+            per_tree(lambda: cache.num_nodes, lambda: sum(t.num_nodes for t in local_trees())),
+        ),
+        (
+            "specdec_proposer_suffix_tree_memory_bytes",
+            "gauge",
+            "By",
+            "estimated memory of the trees (nodes and token arrays)",
+            per_tree(cache.memory_bytes, lambda: sum(t.memory_bytes() for t in local_trees())),
+        ),
+        (
+            "specdec_proposer_suffix_cached_requests",
+            "gauge",
+            "{request}",
+            "requests whose output the global trees hold",
+            lambda _o: [Observation(len(cache))],
+        ),
+        (
+            "specdec_proposer_suffix_evicted_requests",
+            "counter",
+            "{request}",
+            "requests evicted from the global trees to keep --suffix-cache-tokens",
+            lambda _o: [Observation(cache.evicted_requests)],
+        ),
+    ]
+    for name, instrument, unit, description, callback in metrics:
+        create = meter.create_observable_counter if instrument == "counter" else meter.create_observable_gauge
+        create(name, [callback], unit=unit, description=description)

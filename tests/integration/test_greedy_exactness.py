@@ -29,7 +29,7 @@ COMBOS = (
     + [("eagle", k) for k in EAGLE_KS]
     + [("suffix", k) for k in SUFFIX_KS]
 )
-TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4)]
+TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix-tree", 5)]
 COMBOS += TREE_COMBOS if FULL_MATRIX else TREE_COMBOS[:1]  # the others at batch 1 below (cheaper), all in full
 
 

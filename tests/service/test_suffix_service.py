@@ -10,8 +10,8 @@ import grpc
 import pytest
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
-from proposer_service.config import ProposerConfig
 from proposer_service.builder import build_drafter
+from proposer_service.config import ProposerConfig
 from proposer_service.server import ProposerServer
 from proposer_service.suffix import GLOBAL, SuffixDrafter
 from shared.config import load_config
@@ -48,7 +48,7 @@ def test_the_suffix_kind_is_built_from_its_flags_and_says_what_it_is():
             load_config(ProposerConfig, ["--kind", "suffix", *bad])
 
 
-def verifier_config(proposer_port: int, k: int) -> VerifierConfig:
+def verifier_config(proposer_port: int, k: int, max_tree_nodes: int = 0) -> VerifierConfig:
     return VerifierConfig(
         host="127.0.0.1",
         port=0,
@@ -59,12 +59,13 @@ def verifier_config(proposer_port: int, k: int) -> VerifierConfig:
         adaptive_k=False,  # every step drafts what the drafter has, up to k: the hard case for exactness
         warm_up=False,
         proposer_timeout_ms=60_000,
+        max_tree_nodes=max_tree_nodes,
     )
 
 
 class Services:
-    def __init__(self, target, k: int, reader: InMemoryMetricReader | None = None) -> None:
-        self.target, self.k, self.reader = target, k, reader
+    def __init__(self, target, k: int, reader: InMemoryMetricReader | None = None, max_tree_nodes: int = 0) -> None:
+        self.target, self.k, self.reader, self.max_tree_nodes = target, k, reader, max_tree_nodes
 
     async def __aenter__(self) -> Services:
         config = ProposerConfig(host="127.0.0.1", port=0, kind="suffix")
@@ -72,7 +73,7 @@ class Services:
         telemetry = setup_telemetry("specdec-proposer", metric_readers=[self.reader]) if self.reader else None
         self.proposer = await ProposerServer.start(config, drafter, info, telemetry)
         self.verifier = await VerifierServer.start(
-            verifier_config(self.proposer.port, self.k), target=self.target, model_name="target"
+            verifier_config(self.proposer.port, self.k, self.max_tree_nodes), target=self.target, model_name="target"
         )
         assert self.verifier.proposer is not None and await self.verifier.proposer.wait_connected(30)
         self.channel = grpc.aio.insecure_channel(f"127.0.0.1:{self.verifier.port}")
@@ -113,6 +114,34 @@ def test_greedy_over_grpc_equals_transformers_at_batch_1_and_in_a_mixed_batch_of
             assert sum(services.drafter.stats.draft_tokens.values()) > 0
 
     run(body())
+
+
+@pytest.mark.slow
+def test_token_trees_over_grpc_keep_greedy_output_equal_to_transformers(target, prompts, greedy_references):
+    """The verifier takes trees of up to 12 nodes (`--max-tree-nodes`): the suffix proposer sends them where the
+    text branched, on the wire, and the output is still transformers' greedy output."""
+    reader = InMemoryMetricReader()
+
+    async def body():
+        async with Services(target, k=5, reader=reader, max_tree_nodes=12) as services:
+            tokens, _ = await services.generate(prompts[1])
+            assert tokens == greedy_references[1][:MAX_TOKENS], "batch 1, prompt 1"
+            batch = [1, 2, 4, 5]  # one repeat: drafted from the earlier answer
+            results = await asyncio.gather(*(services.generate(prompts[i]) for i in batch))
+            for i, (tokens, _) in zip(batch, results, strict=True):
+                assert tokens == greedy_references[i][:MAX_TOKENS], f"batch 4, prompt {i}"
+            assert services.drafter.stats.tree_drafts >= 5, services.drafter.stats
+            assert sum(r[1][-1].usage.accepted_tokens for r in results) > 0
+
+    run(body())
+    (point,) = next(
+        m
+        for rm in reader.get_metrics_data().resource_metrics
+        for sm in rm.scope_metrics
+        for m in sm.metrics
+        if m.name == "specdec_proposer_suffix_tree_drafts"
+    ).data.data_points
+    assert point.value >= 5
 
 
 @pytest.mark.slow

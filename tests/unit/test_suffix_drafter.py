@@ -9,7 +9,7 @@ import pytest
 
 from proposer_service.suffix import GLOBAL, LOCAL, SuffixDrafter
 from proposer_service.suffix_tree import NODE_BYTES, TOKEN_BYTES
-from shared.drafting import DraftRequest
+from shared.drafting import Draft, DraftRequest
 
 
 class Session:
@@ -20,6 +20,11 @@ class Session:
         self.tokens, self.sent, self.prompt_len = list(prompt), 0, len(prompt)
 
     def propose(self, k: int) -> list[int]:
+        draft = self.draft(k)
+        assert draft.parents is None
+        return draft.token_ids
+
+    def draft(self, k: int, max_tree_nodes: int = 0) -> Draft:
         req = DraftRequest(
             self.seq_id,
             len(self.tokens),
@@ -27,11 +32,12 @@ class Session:
             k,
             draft_position=len(self.tokens) - self.prompt_len,
             tenant=self.tenant,
+            max_tree_nodes=max_tree_nodes,
         )
         self.sent = len(self.tokens)
         (draft,) = self.drafter.propose([req])
-        assert draft.committed_len == len(self.tokens) and not draft.needs_resync
-        return draft.token_ids
+        assert draft.committed_len == len(self.tokens) and not draft.needs_resync and draft.probs is None
+        return draft
 
     def decode(self, output: list[int], k: int) -> tuple[int, int]:
         """Commit `output` as a verifier would with greedy drafts: each step accepts the draft's prefix that
@@ -150,20 +156,32 @@ def test_requests_running_side_by_side_draft_from_each_other():
     assert follower.propose(k=8) == answer[:8]
 
 
-def test_the_best_match_also_gives_a_tree_of_its_frequent_continuations():
-    """For tree verification (not sent yet): the continuations of the best match, best first, as one tree."""
-    drafter = SuffixDrafter(min_token_prob=0.1)
+def test_a_verifier_that_takes_trees_gets_the_best_matchs_frequent_continuations():
     # "1 2 3" was followed by "4 5" twice (then "9", then "8") and by "6 7" once before.
     prompt = [1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 5, 8, 1, 2, 3, 6, 7, 8, 10, 1, 2, 3]
-    assert Session(drafter, "a", prompt).propose(k=2) == [4, 5]
-    source, tree = drafter.continuation("a", k=3, tree_nodes=6)
+    drafter = SuffixDrafter(min_token_prob=0.1)
+    assert Session(drafter, "chain", prompt).propose(k=8) == [4, 5, 9, 1, 2]  # 9 or 8 or "6 7": 1/4 each
     # Best first by path probability (this occurrence counts: 4 in all); ties in the order they were reached.
-    assert source == LOCAL and tree.token_ids == [4, 5, 6, 9, 8, 7] and tree.parents == [-1, 0, -1, 1, 1, 2]
-    assert tree.probs == pytest.approx([2 / 4, 2 / 4, 1 / 4, 1 / 4, 1 / 4, 1 / 4])
-    _, shallow = drafter.continuation("a", k=2, tree_nodes=6)  # no deeper than k
+    tree = Session(drafter, "a", prompt).draft(k=8, max_tree_nodes=6)
+    assert tree.token_ids == [4, 5, 6, 9, 8, 7] and tree.parents == [-1, 0, -1, 1, 1, 2] and tree.probs is None
+    source, continuation = drafter.continuation("a", k=8, tree_nodes=6)
+    assert source == LOCAL and continuation.probs == pytest.approx([2 / 4, 2 / 4] + [1 / 4] * 4)
+    assert drafter.stats.tree_drafts == 1
+    small = Session(drafter, "b", prompt).draft(k=8, max_tree_nodes=3)
+    assert small.token_ids == [4, 5, 6] and small.parents == [-1, 0, -1]
+    # No deeper than k, nor than the match earns (a match of m tokens: 2m - 1).
+    shallow = Session(drafter, "c", prompt).draft(k=2, max_tree_nodes=6)
     assert shallow.token_ids == [4, 5, 6, 7] and shallow.parents == [-1, 0, -1, 2]
-    assert drafter.continuation("a", k=2) == (source, tree.__class__([4, 5], [-1, 0], [0.5, 0.5]))
+    one = Session(drafter, "d", [*prompt[:-2], 3]).draft(k=8, max_tree_nodes=6)  # "3": a match of one token
+    assert one.token_ids == [4, 6] and one.parents == [-1, -1]
     assert drafter.continuation("unknown", k=2)[1].token_ids == []
+
+
+def test_a_repeated_answer_goes_as_a_chain_even_when_trees_are_taken():
+    prompt, answer = distinct(40, 60, seed=5)
+    drafter = answered(prompt, answer, "acme")
+    draft = Session(drafter, "second", prompt, tenant="acme").draft(k=8, max_tree_nodes=12)
+    assert draft.token_ids == answer[:8] and draft.parents is None
 
 
 def test_a_delta_that_does_not_fit_asks_for_a_resync_and_a_rewrite_starts_over():

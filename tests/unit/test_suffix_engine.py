@@ -101,3 +101,28 @@ def test_sampled_output_law_matches_the_target_and_a_wrong_claimed_law_is_caught
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # both paths were exercised
     lying, _ = _law_pvalues(target_hf, target, _ClaimsAWrongLaw(min_token_prob=0.0))
     assert min(lying) < 1e-6, lying
+
+
+def branching_prompts(seed: int) -> list[list[int]]:
+    """Prompts whose end was followed by several different tokens before: a tree on the first step already."""
+    rng = random.Random(seed)
+    motif = [rng.randrange(1, EOS) for _ in range(3)]
+    ends = [[rng.randrange(1, EOS) for _ in range(3)] for _ in range(3)]
+    return [motif + ends[i % 3] + motif + ends[(i + 1) % 3] + motif + ends[i % 3] + motif for i in range(4)]
+
+
+@pytest.mark.parametrize("k", [3, 6])
+def test_greedy_output_equals_transformers_with_suffix_token_trees(target_hf, target, k):  # noqa: F811
+    """The verifier takes trees (max_tree_nodes > k): the drafter sends trees where the text branched, and the
+    output is still the target's greedy output, first and repeated answers."""
+    drafter = SuffixDrafter(min_token_prob=0.0)  # every continuation seen is worth a node
+    engine = engine_with(target, drafter, k, max_tree_nodes=k + 4)
+    ps = branching_prompts(k) + prompts(k)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    references = [hf_greedy(target_hf, p, 30, eos=False) for p in ps]
+    for round_ in ("a", "b"):  # the second round drafts from the first's answers too
+        outs = run(engine, {f"{round_}{i}": p for i, p in enumerate(ps)}, params, tenant="acme")
+        assert [outs[f"{round_}{i}"] for i in range(len(ps))] == references
+    assert drafter.stats.tree_drafts >= 10, drafter.stats
+    assert engine.stats.accepted_tokens > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks and not drafter.requests
