@@ -9,16 +9,18 @@ shared and its load moves):
 
     quoting1  the quoting prompts at batch 1, `--batch1-prompts` per run: HF generate, HF prompt lookup
               decoding (prompt_lookup_num_tokens=10), engine k=0, engine + n-gram (adaptive k<=8, the engine's
-              default policy), engine + suffix (adaptive k<=8 and k<=16)
-    quoting8  the 8 quoting prompts together: engine k=0, n-gram, suffix (k<=8 and k<=16)
-    general1, general8   the general chat prompts: engine k=0 and suffix (k<=8 and k<=16; it must know when not
+              default policy), engine + suffix (adaptive k<=8, k<=16, and k<=8 with token trees)
+    quoting8  the 8 quoting prompts together: engine k=0, n-gram, the three suffix rows
+    general1, general8   the general chat prompts: engine k=0 and the three suffix rows (it must know when not
               to draft)
     repeat    the agent-like workload at batch 1: a question asked once, then again by another session; a function
-              rewritten with one small edit, then with another by another session. The repeat is timed: engine
-              k=0, n-gram, suffix with a fresh drafter (no history) and suffix after the first request
+              rewritten with one small edit, then with another by another session. Every row runs the first
+              request, then the repeat, timed, on the same engine (the prefix cache as warm in each): engine
+              k=0, n-gram, suffix with a new drafter for the repeat (no history) and suffix after the first.
+              Questions and rewrites are reported apart (`--repeat-items` per run: half of each)
     gateway   the repeat workload through real processes (client -> gateway -> verifier <-> proposer, as
               `make run`): a target-only stack and a `--kind suffix` stack (adaptive k <= 16); the first request
-              goes to the suffix stack, then the repeat to both, timed
+              goes to both stacks, then the repeat, timed, in alternating order
 
 In quoting and general rows every request has its own tenant, so the suffix drafter drafts only from the request's
 own text (nothing from other requests, as for n-gram and prompt lookup); the repeat section uses one tenant. Each
@@ -56,6 +58,7 @@ MARK_START = "<!-- suffix-bench:start -->"
 MARK_END = "<!-- suffix-bench:end -->"
 MAX_MODEL_LEN = 1024
 LOOKUP_TOKENS = 10  # transformers' prompt lookup: tokens proposed per step (its documented example's value)
+TREE_NODES = 16  # the policy drafts a tree only where it may hold more nodes than the chain's k
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,7 @@ class Row:
     kind: str  # "hf", "hf-lookup" or "engine"
     drafter: str | None = None  # engine: None (k = 0), "ngram" or "suffix"
     k: int = 0
+    tree_nodes: int = 0  # > 0: the engine verifies token trees of up to this many nodes (the policy's choice)
 
 
 ROWS = {
@@ -76,13 +80,14 @@ ROWS = {
         Row("e", "engine + n-gram, adaptive k<=8", "engine", "ngram", 8),
         Row("s8", "engine + suffix, adaptive k<=8", "engine", "suffix", 8),
         Row("s", "engine + suffix, adaptive k<=16", "engine", "suffix", 16),
+        Row("s8t", f"engine + suffix, adaptive k<=8, trees<={TREE_NODES} nodes", "engine", "suffix", 8, TREE_NODES),
     )
 }
 SECTIONS = {  # (prompt set, batch, rows)
-    "quoting1": ("quoting", 1, ("a", "p", "c", "e", "s8", "s")),
-    "quoting8": ("quoting", 8, ("c", "e", "s8", "s")),
-    "general1": ("general", 1, ("c", "s8", "s")),
-    "general8": ("general", 8, ("c", "s8", "s")),
+    "quoting1": ("quoting", 1, ("a", "p", "c", "e", "s8", "s", "s8t")),
+    "quoting8": ("quoting", 8, ("c", "e", "s8", "s", "s8t")),
+    "general1": ("general", 1, ("c", "s8", "s", "s8t")),
+    "general8": ("general", 8, ("c", "s8", "s", "s8t")),
 }
 ALL_SECTIONS = (*SECTIONS, "repeat", "gateway")
 REPEAT_ROWS = ("c", "e", "s-fresh", "s")  # "s-fresh": suffix without the first request
@@ -99,6 +104,8 @@ class Measurement:
     draft_seconds: float = 0.0  # in the drafter's propose and release calls
     proposed: int = 0  # draft tokens the drafter returned (before the engine trims to its k)
     drafter_calls: int = 0
+    drafts: int = 0  # non-empty drafts the drafter returned
+    trees: int = 0  # of which token trees
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,6 +117,7 @@ class TimedDrafter:
 
     def __init__(self, inner) -> None:
         self.inner, self.seconds, self.proposed, self.calls = inner, 0.0, 0, 0
+        self.drafts = self.trees = 0
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         start = time.perf_counter()
@@ -117,6 +125,8 @@ class TimedDrafter:
         self.seconds += time.perf_counter() - start
         self.proposed += sum(len(d.token_ids) for d in drafts)
         self.calls += 1
+        self.drafts += sum(bool(d.token_ids) for d in drafts)
+        self.trees += sum(d.is_tree for d in drafts)
         return drafts
 
     def release(self, seq_ids: list[str]) -> None:
@@ -132,7 +142,12 @@ def make_drafter(kind: str | None) -> TimedDrafter | None:
 
 
 def new_engine(models: Models, row: Row, drafter: TimedDrafter | None):
-    config = EngineConfig(num_speculative_tokens=max(row.k, 1), max_num_seqs=8, max_model_len=MAX_MODEL_LEN)
+    config = EngineConfig(
+        num_speculative_tokens=max(row.k, 1),
+        max_num_seqs=8,
+        max_model_len=MAX_MODEL_LEN,
+        max_tree_nodes=row.tree_nodes,
+    )
     return build_engine(models.target, drafter, config)
 
 
@@ -140,7 +155,7 @@ def run_engine(engine, drafter: TimedDrafter | None, prompts: list[list[int]], b
     """The prompts `batch` at a time; request i under tenants(i). Counters are this call's only."""
     stats = engine.stats
     before = (stats.drafted_tokens, stats.accepted_tokens, stats.draft_rounds)
-    timed = (drafter.seconds, drafter.proposed, drafter.calls) if drafter else (0.0, 0, 0)
+    timed = (drafter.seconds, drafter.proposed, drafter.calls, drafter.drafts, drafter.trees) if drafter else (0,) * 5
     outputs: dict[int, list[int]] = {}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     start = time.perf_counter()
@@ -164,6 +179,8 @@ def run_engine(engine, drafter: TimedDrafter | None, prompts: list[list[int]], b
         (drafter.seconds - timed[0]) if drafter else 0.0,
         (drafter.proposed - timed[1]) if drafter else 0,
         (drafter.calls - timed[2]) if drafter else 0,
+        (drafter.drafts - timed[3]) if drafter else 0,
+        (drafter.trees - timed[4]) if drafter else 0,
     )
 
 
@@ -196,19 +213,21 @@ def run_row(models: Models, key: str, prompts: list[list[int]], batch: int, max_
 @dataclass(frozen=True)
 class RepeatItem:
     name: str
+    kind: str  # "question" (asked again as is) or "rewrite" (the same code, another small edit)
     first: list[int]
     repeat: list[int]
 
 
 def repeat_items(tokenizer) -> list[RepeatItem]:
     items = [
-        RepeatItem(f"question {i + 1}", ids, ids)
+        RepeatItem(f"question {i + 1}", "question", ids, ids)
         for i, ids in enumerate(chat_ids(tokenizer, p) for p in GENERAL_PROMPTS)
     ]
     for i, (code, first, second) in enumerate(REWRITE_TASKS):
         items.append(
             RepeatItem(
                 f"rewrite {i + 1}",
+                "rewrite",
                 chat_ids(tokenizer, rewrite_prompt(code, first)),
                 chat_ids(tokenizer, rewrite_prompt(code, second)),
             )
@@ -217,17 +236,22 @@ def repeat_items(tokenizer) -> list[RepeatItem]:
 
 
 def run_repeat(models: Models, key: str, item: RepeatItem, max_tokens: int) -> Measurement:
-    """The repeat timed; for "s" the first request runs before it, on the same engine and drafter, same tenant."""
+    """The repeat timed, after the first request on the same engine and tenant in every row (the prefix cache
+    as warm in each); only "s" drafts the repeat with the drafter that followed the first request ("s-fresh"
+    gets a new drafter for the repeat)."""
     row = ROWS["s" if key.startswith("s") else key]
     drafter = make_drafter(row.drafter)
     engine = new_engine(models, row, drafter)
-    if key == "s":
-        run_engine(engine, drafter, [item.first], 1, max_tokens, lambda i: "agent")
+    run_engine(engine, drafter, [item.first], 1, max_tokens, lambda i: "agent")
+    if key == "s-fresh":
+        assert drafter is not None
+        drafter.inner = SuffixDrafter()  # no history: what the first request left is gone
     return run_engine(engine, drafter, [item.repeat], 1, max_tokens, lambda i: "agent")
 
 
 def run_gateway_section(models: Models, plan: Plan, items: list[RepeatItem], log: Callable[[str], None]) -> dict:
-    """The repeat workload through service processes; {("gateway", "c" or "s"): [Measurement per item and run]}."""
+    """The repeat workload through service processes; {("gateway-<kind>", "c" or "s"): [Measurement per item and
+    run]}."""
     import asyncio
     import tempfile
 
@@ -245,19 +269,20 @@ def run_gateway_section(models: Models, plan: Plan, items: list[RepeatItem], log
         for stack in stacks.values():
             stack.wait_ready(deadline)
 
-        def send(stack: str, prompt: list[int]) -> Measurement:
-            m = asyncio.run(run_gateway(stacks[stack].gateway.address, [prompt], 1, plan.max_tokens))
+        def send(name: str, prompt: list[int]) -> Measurement:
+            m = asyncio.run(run_gateway(stacks[name].gateway.address, [prompt], 1, plan.max_tokens))
             (trace,) = m.traces
             return Measurement(m.tokens, m.wall_s, [trace.ids], trace.drafted, trace.accepted, max(trace.steps - 1, 0))
 
         send("target", items[0].first)  # warm-up
         for run in range(plan.runs):
-            for item in pick(items, run, plan.repeat_items_per_run):
-                send("suffix-adaptive", item.first)
-                order = [("c", "target"), ("s", "suffix-adaptive")][:: 1 if run % 2 else -1]
-                for key, stack in order:
-                    m = send(stack, item.repeat)
-                    results.setdefault(("gateway", key), []).append(m)
+            for i, item in enumerate(pick(items, run, plan.repeat_items_per_run)):
+                for name in stacks:  # both have served the first request: their prefix caches alike
+                    send(name, item.first)
+                order = [("c", "target"), ("s", "suffix-adaptive")][:: 1 if (run + i) % 2 else -1]
+                for key, name in order:
+                    m = send(name, item.repeat)
+                    results.setdefault((f"gateway-{item.kind}", key), []).append(m)
                     log(f"run {run + 1} gateway {item.name} {key}: {m.tokens_per_s:.1f} tok/s")
     finally:
         codes = {p.name: p.stop() for p in reversed(procs)}
@@ -266,7 +291,12 @@ def run_gateway_section(models: Models, plan: Plan, items: list[RepeatItem], log
 
 
 def pick(items: list[RepeatItem], run: int, n: int) -> list[RepeatItem]:
-    return [items[(run * n + i) % len(items)] for i in range(n)]
+    """n items for this run, half questions (rounded up) and half rewrites, the next ones of each every run."""
+    picked = []
+    for kind, count in (("question", (n + 1) // 2), ("rewrite", n // 2)):
+        of_kind = [item for item in items if item.kind == kind]
+        picked += [of_kind[(run * count + i) % len(of_kind)] for i in range(count)]
+    return picked
 
 
 # ---- the benchmark ------------------------------------------------------------------------------------
@@ -305,7 +335,7 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
                     for key in REPEAT_ROWS[shift:] + REPEAT_ROWS[:shift]:
                         m = run_repeat(models, key, item, plan.max_tokens)
                         repeat[(item.name, key)] = m
-                        results.setdefault(("repeat", key), []).append(m)
+                        results.setdefault((f"repeat-{item.kind}", key), []).append(m)
                         log(f"run {run + 1} repeat {item.name} {key}: {m.tokens_per_s:.1f} tok/s")
                 continue
             prompt_set, batch, keys = SECTIONS[section]
@@ -335,7 +365,7 @@ def _ratio(results, section: str, key: str, base: str) -> float | None:
 def label_of(section: str, key: str) -> str:
     if key == "s-fresh":
         return "engine + suffix, adaptive k<=16, no history (fresh drafter)"
-    if section == "gateway":
+    if section.startswith("gateway"):
         return {"c": "gateway: target only (k=0)", "s": "gateway: suffix proposer, adaptive k<=16"}[key]
     return ROWS[key].label
 
@@ -358,6 +388,8 @@ def summarise(results, repeat, step: float, plan: Plan) -> dict:
             row["acceptance"] = sum(m.accepted for m in ms) / drafted
             row["mean_accepted_length"] = 1 + sum(m.accepted for m in ms) / sum(m.rounds for m in ms)
         proposed = sum(m.proposed for m in ms)
+        if any(m.trees for m in ms):
+            row["tree_share"] = sum(m.trees for m in ms) / sum(m.drafts for m in ms)
         if any(m.draft_seconds for m in ms):
             row["draft_ms_per_call"] = 1e3 * sum(m.draft_seconds for m in ms) / max(1, sum(m.drafter_calls for m in ms))
             if proposed:
@@ -412,6 +444,9 @@ def render(summary: dict, meta: dict, plan: Plan) -> str:
             f"| {f(r['vs_e'])} | {f(r.get('acceptance'), '.3f')} | {f(r.get('mean_accepted_length'))} "
             f"| {f(r.get('draft_ms_per_call'), '.3f')} | {f(r.get('draft_ms_per_token'), '.3f')} |"
         )
+    trees = [f"{r['section']} {r['tree_share']:.0%}" for r in summary["rows"] if r.get("tree_share")]
+    if trees:
+        out += ["", f"Drafts sent as token trees (the rest chains), trees<={TREE_NODES} rows: {', '.join(trees)}"]
     out += ["", "### Targets", "", "| target | measured | result |", "| --- | ---: | --- |"]
     by = {(r["section"], r["key"]): r for r in summary["rows"]}
 
@@ -425,7 +460,7 @@ def render(summary: dict, meta: dict, plan: Plan) -> str:
             by.get(("quoting1", key), {}).get("vs_p"),
             lambda v: v >= 1.5,
         )
-    for section in ("repeat", "gateway"):
+    for section in ("repeat-question", "repeat-rewrite", "gateway-question", "gateway-rewrite"):
         measured = by.get((section, "s"), {}).get("vs_c")
         target(f"{section}: suffix after the first request >= 3x target only", measured, lambda v: v >= 3)
     for section in ("general1", "general8"):
@@ -459,7 +494,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=None, help="repetitions (default 3; quick 1)")
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per sequence (default 128; quick 32)")
     parser.add_argument("--batch1-prompts", type=int, default=2, help="prompts per batch-1 run (default 2)")
-    parser.add_argument("--repeat-items", type=int, default=4, help="repeat workload items per run (default 4)")
+    parser.add_argument(
+        "--repeat-items",
+        type=int,
+        default=4,
+        help="repeat workload items per run, half questions, half rewrites (default 4)",
+    )
     parser.add_argument("--sections", default=",".join(ALL_SECTIONS), help="comma-separated sections")
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw summary as JSON here")
