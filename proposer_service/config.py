@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from shared.model.dtype import DTYPE_CHOICES
 from shared.tls import TLSConfig
 
-KINDS = ("draft-model", "ngram", "eagle")
+KINDS = ("draft-model", "ngram", "eagle", "suffix")
 
 
 @dataclass(frozen=True)
@@ -21,12 +21,12 @@ class ProposerConfig(TLSConfig):
             "repository's draft model, or its EAGLE head)"
         },
     )
-    kind: str = field(default="draft-model", metadata={"help": "drafting method: draft-model, ngram or eagle"})
+    kind: str = field(default="draft-model", metadata={"help": "drafting method: draft-model, ngram, eagle or suffix"})
     target_model: str = field(
         default="",
         metadata={
             "help": "kind eagle: the target the head drafts for; only its embedding and LM head are read; kind "
-            "ngram: only its tokenizer, for drafts under a format (default: the repository's target)"
+            "ngram and suffix: only its tokenizer, for drafts under a format (default: the repository's target)"
         },
     )
     host: str = field(
@@ -75,6 +75,25 @@ class ProposerConfig(TLSConfig):
     )
     ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
     ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
+    suffix_cache_tokens: int = field(
+        default=1_000_000,
+        metadata={
+            "help": "suffix kind: tokens of earlier outputs kept for drafting, all tenants together (least recently "
+            "written requests evicted whole; 0: only each request's own text)"
+        },
+    )
+    suffix_max_depth: int = field(
+        default=32, metadata={"help": "suffix kind: longest string indexed (match plus draft)"}
+    )
+    suffix_max_spec_factor: float = field(
+        default=2.0,
+        metadata={"help": "suffix kind: a match of m tokens drafts at most m * this factor + --suffix-max-spec-offset"},
+    )
+    suffix_max_spec_offset: float = field(default=-1.0, metadata={"help": "suffix kind: see --suffix-max-spec-factor"})
+    suffix_min_token_prob: float = field(
+        default=0.1,
+        metadata={"help": "suffix kind: a draft stops where its path's empirical probability falls below this"},
+    )
     tensor_parallel_size: int = field(
         default=1,
         metadata={
@@ -118,6 +137,16 @@ class ProposerConfig(TLSConfig):
             raise ValueError(f"--num-kv-blocks must be >= 1, got {self.num_kv_blocks}")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError(f"need 1 <= --ngram-min <= --ngram-max, got {self.ngram_min}, {self.ngram_max}")
+        if self.suffix_cache_tokens < 0 or self.suffix_max_depth < 2:
+            raise ValueError(
+                f"need --suffix-cache-tokens >= 0 and --suffix-max-depth >= 2, got {self.suffix_cache_tokens}, "
+                f"{self.suffix_max_depth}"
+            )
+        if self.suffix_max_spec_factor <= 0 or not 0 <= self.suffix_min_token_prob <= 1:
+            raise ValueError(
+                f"need --suffix-max-spec-factor > 0 and --suffix-min-token-prob in [0, 1], got "
+                f"{self.suffix_max_spec_factor}, {self.suffix_min_token_prob}"
+            )
         if self.dtype not in DTYPE_CHOICES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPE_CHOICES)}, got {self.dtype!r}")
         if self.grace_period_s < 0:

@@ -16,6 +16,8 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from proposer_service.suffix import SuffixDrafter
+from proposer_service.suffix_telemetry import register_suffix_metrics
 from shared.proto_gen.specdec.v1 import proposer_pb2
 from shared.telemetry import (
     STEP_BUCKETS_S,
@@ -60,6 +62,8 @@ class ProposerTelemetry:
         self.proposed_tokens = meter.create_counter(
             "specdec_proposer_draft_tokens", unit="{token}", description="draft tokens proposed"
         )
+        if isinstance(servicer.drafter, SuffixDrafter):
+            register_suffix_metrics(meter, servicer.drafter)
         self.draft_seconds = meter.create_histogram(
             "specdec_proposer_draft_duration_seconds",
             unit="s",

@@ -13,7 +13,7 @@
 #   SPECDEC_TARGET_MODEL     target model (HF folder, .gguf folder or hub id); default: shared.settings
 #   SPECDEC_DRAFT_MODEL      draft model for --kind draft-model; default: shared.settings
 #   SPECDEC_EAGLE_HEAD       EAGLE head folder for --kind eagle; default: models/smollm2-135m-eagle
-#   SPECDEC_PROPOSER_KIND    eagle (default: the repository's trained head), draft-model or ngram
+#   SPECDEC_PROPOSER_KIND    eagle (default: the repository's trained head), draft-model, ngram or suffix
 #   SPECDEC_K                draft tokens per step (default 4)
 #   SPECDEC_DRAFT_AHEAD      outcomes the proposer drafts ahead per sequence (default 0: off; docs/services.md)
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
@@ -51,8 +51,8 @@ DRAFT_AHEAD="${SPECDEC_DRAFT_AHEAD:-0}"
 HOST=127.0.0.1
 
 case "$KIND" in
-  eagle | draft-model | ngram) ;;
-  *) echo "run_all.sh: SPECDEC_PROPOSER_KIND must be eagle, draft-model or ngram, got '$KIND'" >&2; exit 2 ;;
+  eagle | draft-model | ngram | suffix) ;;
+  *) echo "run_all.sh: SPECDEC_PROPOSER_KIND must be eagle, draft-model, ngram or suffix, got '$KIND'" >&2; exit 2 ;;
 esac
 
 TARGET="$("$PYTHON" -c 'from shared.settings import default_target_model; print(default_target_model())')"

@@ -274,7 +274,9 @@ STACK_KINDS = {
     "eagle": "eagle",
     "eagle-adaptive": "eagle",
     "ngram": "ngram",
+    "suffix-adaptive": "suffix",  # suffix_bench's stack: adaptive k <= K_SUFFIX
 }
+K_SUFFIX = 16  # suffix drafts are as long as the match is sure: the repeat of an answer drafts 16 at a time
 
 
 def build_stacks(
@@ -283,7 +285,9 @@ def build_stacks(
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
     EAGLE head, n-gram; every proposer stack with k = 4 fixed."""
     stacks = {}
-    names = names or [n for n in STACK_KINDS if STACK_KINDS[n] != "eagle" or eagle_head]
+    names = names or [
+        n for n in STACK_KINDS if STACK_KINDS[n] != "suffix" and (STACK_KINDS[n] != "eagle" or eagle_head)
+    ]
     for name in names:
         base, dtype = _stack_dtype(name)
         kind = STACK_KINDS[base]
@@ -303,7 +307,8 @@ def build_stacks(
             stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
             if base.endswith("-adaptive"):
-                verifier += ["--num-speculative-tokens", str(K_ADAPTIVE), "--adaptive-k"]
+                k = K_SUFFIX if kind == "suffix" else K_ADAPTIVE
+                verifier += ["--num-speculative-tokens", str(k), "--adaptive-k"]
             else:
                 verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
         cmd = _command("specdec-verifier", "verifier_service.server") + verifier

@@ -119,3 +119,15 @@ QUOTING_PROMPTS: tuple[str, ...] = (
     "Correct the spelling mistakes in this passage and return the whole corrected passage:\n\n"
     + _PASSAGE_RAIL.replace("locomotives", "locomotivs").replace("passenger", "pasenger", 1),
 )
+
+# A file rewritten twice with different small edits, by two sessions (the suffix decoding benchmark's agent-like
+# workload): the second rewrite is the repeat, its answer mostly the first one's.
+REWRITE_TASKS: tuple[tuple[str, str, str], ...] = (
+    (_FUNC_STATS, "Rename the variable total to s.", "Rename the variable count to n."),
+    (_FUNC_FIND, "Rename the function find_user to get_user.", "Rename the parameter users to people."),
+    (_FUNC_PARSE, "Add a docstring.", "Rename the variable config to settings."),
+)
+
+
+def rewrite_prompt(code: str, edit: str) -> str:
+    return f"Here is a function:\n\n{code}\n\n{edit} Reply with the complete updated function."

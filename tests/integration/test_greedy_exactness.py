@@ -8,6 +8,7 @@ import pytest
 
 from proposer_service.eagle import make_eagle_drafter
 from proposer_service.ngram import NgramDrafter
+from proposer_service.suffix import SuffixDrafter
 from shared.drafting import Drafter
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
@@ -20,10 +21,15 @@ pytestmark = pytest.mark.slow
 FULL_MATRIX = os.environ.get("SPECDEC_FULL_MATRIX") == "1"
 # The EAGLE head at k = 1 and 5 too under `make test-full`; k = 1/3/5 through gRPC are in the service tests.
 EAGLE_KS = (1, 3, 5) if FULL_MATRIX else (3,)
+SUFFIX_KS = (1, 3, 5, 16) if FULL_MATRIX else (5,)
 # "-tree": the drafter sends token trees of up to TREE_NODES nodes, k deep.
 TREE_NODES = 8
-COMBOS = [(kind, k) for kind in ("draft", "ngram") for k in (1, 3, 5)] + [("eagle", k) for k in EAGLE_KS]
-TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4)]
+COMBOS = (
+    [(kind, k) for kind in ("draft", "ngram") for k in (1, 3, 5)]
+    + [("eagle", k) for k in EAGLE_KS]
+    + [("suffix", k) for k in SUFFIX_KS]
+)
+TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix-tree", 5)]
 COMBOS += TREE_COMBOS if FULL_MATRIX else TREE_COMBOS[:1]  # the others at batch 1 below (cheaper), all in full
 
 
@@ -49,6 +55,8 @@ def make_engine(
     drafter: Drafter | None = None
     if kind == "ngram":
         drafter = NgramDrafter()
+    elif kind == "suffix":  # one tenant: later requests draft from earlier answers too
+        drafter = SuffixDrafter()
     elif kind == "draft":
         drafter = make_draft_model_drafter(*draft, config, CacheConfig())
     elif kind == "eagle":  # the repository's trained head, with the target's own embedding and LM head
@@ -129,7 +137,7 @@ def test_batch_1(target, draft, prompts, greedy_references, kind, k, indices):
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 1")
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3), ("eagle-tree", 4)])
+@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3), ("suffix", 5), ("eagle-tree", 4)])
 def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind, k):
     # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 16 blocks (room for one 240-token
     # sequence) force preemption by recompute.

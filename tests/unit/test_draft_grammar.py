@@ -16,6 +16,7 @@ import torch
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.eagle import make_eagle_drafter
 from proposer_service.ngram import NgramDrafter
+from proposer_service.suffix import SuffixDrafter
 from shared.drafting import Draft, DraftRequest
 from shared.grammar import GrammarCompiler, StructuredOutput, allowed_tokens
 from shared.kv.block_manager import BlockManager
@@ -273,7 +274,22 @@ def test_ngram_truncates_the_run_at_the_first_forbidden_token(compiler):
     assert constrained.token_ids == [a]  # a changed format is followed from the same output
 
 
-@pytest.mark.parametrize("kind", ["draft-model", "eagle", "ngram"])
+def test_suffix_keeps_the_part_of_its_draft_the_format_allows(compiler):
+    one, two, three, a, eos = 33, 34, 35, 81, 2  # "1", "2", "3", "a", <|im_end|>
+    prompt = [104, one, two, three, a, a, 216, one, two, eos, 104]
+    digits = SamplingParams(structured_output=StructuredOutput("regex", "[0-9]+"))
+    drafter = SuffixDrafter(grammar=compiler)
+    # Committed output "12": "104 1 2" was followed by "3 a a ' '" once before.
+    requests = [
+        DraftRequest("free", 13, prompt + [one, two], K, draft_position=2),
+        DraftRequest("digits", 13, prompt + [one, two], K, digits, draft_position=2),
+    ]
+    free, constrained = drafter.propose(requests)
+    assert free.token_ids == [three, a, a, 216]
+    assert constrained.token_ids == [three]  # "a" is not a digit
+
+
+@pytest.mark.parametrize("kind", ["draft-model", "eagle", "ngram", "suffix"])
 def test_a_format_that_cannot_be_followed_gives_an_empty_draft(
     kind, draft_model, eagle_dir, eagle_target, compiler, caplog
 ):
@@ -281,6 +297,7 @@ def test_a_format_that_cannot_be_followed_gives_an_empty_draft(
         "draft-model": lambda: new_draft_model_drafter(draft_model, compiler),
         "eagle": lambda: new_eagle_drafter(eagle_dir, eagle_target, compiler),
         "ngram": lambda: NgramDrafter(grammar=compiler),
+        "suffix": lambda: SuffixDrafter(grammar=compiler),
     }[kind]()
     prompt = [21350, 281, 20110, 42, 216, 104, 81, 216, 104]
     features = torch.randn(len(prompt) + 1, 64) if kind == "eagle" else None
@@ -309,12 +326,12 @@ def test_a_format_that_cannot_be_followed_gives_an_empty_draft(
         )
     assert [d.token_ids for d in drafts[:3]] == [[], [], []]
     assert not any(d.needs_resync for d in drafts)
-    if kind != "ngram":
+    if kind not in ("ngram", "suffix"):  # the prompt lookups draft only what the text repeats
         assert len(drafts[3].token_ids) == K  # the rest of the batch is drafted
     assert "not compiled" in caplog.text and "does not match" in caplog.text
     # The output rewritten to one the format allows (a resend): drafting resumes.
     (draft,) = drafter.propose([request("off-format", StructuredOutput("regex", "[0-9]+"), [33], new=prompt + [33])])
-    if kind != "ngram":
+    if kind not in ("ngram", "suffix"):
         assert draft.token_ids and matcher_allows(compiler, "[0-9]+", [33], draft.token_ids)
 
 

@@ -21,6 +21,7 @@ class ProposerKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PROPOSER_KIND_DRAFT_MODEL: _ClassVar[ProposerKind]
     PROPOSER_KIND_NGRAM: _ClassVar[ProposerKind]
     PROPOSER_KIND_EAGLE: _ClassVar[ProposerKind]
+    PROPOSER_KIND_SUFFIX: _ClassVar[ProposerKind]
 FEATURE_DTYPE_UNSPECIFIED: FeatureDtype
 FEATURE_DTYPE_FLOAT16: FeatureDtype
 FEATURE_DTYPE_BFLOAT16: FeatureDtype
@@ -29,6 +30,7 @@ PROPOSER_KIND_UNSPECIFIED: ProposerKind
 PROPOSER_KIND_DRAFT_MODEL: ProposerKind
 PROPOSER_KIND_NGRAM: ProposerKind
 PROPOSER_KIND_EAGLE: ProposerKind
+PROPOSER_KIND_SUFFIX: ProposerKind
 
 class ProposeRequest(_message.Message):
     __slots__ = ("step_id", "sequences", "release_seq_ids", "trace_context")
