@@ -99,6 +99,17 @@ class TimedObserver:
         self.inner.propose_finished(proposed)
         self.seconds += time.perf_counter() - t
 
+    def asking_early(self, num_seqs: int):
+        t = time.perf_counter()
+        token = self.inner.asking_early(num_seqs)
+        self.seconds += time.perf_counter() - t
+        return token
+
+    def asked_early(self, token) -> None:
+        t = time.perf_counter()
+        self.inner.asked_early(token)
+        self.seconds += time.perf_counter() - t
+
     def step_finished(self, outputs, start, proposed, scored, verified) -> None:
         t = time.perf_counter()
         self.inner.step_finished(outputs, start, proposed, scored, verified)

@@ -17,7 +17,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -89,6 +89,12 @@ class StepObserver(Protocol):
     def step_started(self, batch: list[ScheduledSeq]) -> None: ...
 
     def propose_finished(self, proposed: float) -> None: ...
+
+    def asking_early(self, num_seqs: int) -> Any:
+        """Just before the next step's drafts are asked for (after this step committed); returns a token for
+        `asked_early`, which follows the send."""
+
+    def asked_early(self, token: Any) -> None: ...
 
     def step_finished(
         self, outputs: list[RequestOutput], start: float, proposed: float, scored: float, verified: float
@@ -465,9 +471,16 @@ class Engine:
             plan = plans.get(seq.seq_id)
             if plan is not None and plan.k > 0 and seq.num_uncomputed == 1:
                 asks.append(self._request(seq, len(seq.tokens), plan.k, plan.tree_nodes))
-        if asks:
-            self.early_stats.asked += len(asks)
+        if not asks:
+            return
+        self.early_stats.asked += len(asks)
+        observer = self.observer
+        token = observer.asking_early(len(asks)) if observer is not None else None
+        try:
             self._early = EarlyAsk({r.seq_id: r for r in asks}, self.drafter.send(asks))  # type: ignore[union-attr]
+        finally:
+            if observer is not None:
+                observer.asked_early(token)
 
     def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
         """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's

@@ -116,6 +116,9 @@ class RemoteProposer:
         self.timeouts = 0
         self.errors = 0
         self.invalid_drafts = 0
+        # Draft tokens in every reply read, used or not (early drafts no step took, late replies, drafts cut
+        # to the scheduled length): the proposer's own count of tokens drafted equals it.
+        self.received_draft_tokens = 0
         self.connections = 0
         self.last_round_trip: RoundTrip | None = None
         self._connected = False
@@ -391,6 +394,7 @@ class RemoteProposer:
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
                 assert isinstance(response, proposer_pb2.ProposeResponse)
+                self.received_draft_tokens += sum(len(d.draft_token_ids) for d in response.drafts)
                 reply = self._pending.pop(response.step_id, None)
                 if reply is not None and not reply.done():
                     reply.set_result(response)

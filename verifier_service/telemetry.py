@@ -8,7 +8,8 @@ Spans (see docs/observability.md):
   batch, so the trace of a lone request holds its whole story; under batching each request's trace
   holds the steps it led and links to the others.
 - The `propose` span's context travels in the ProposeRequest, so the proposer's `proposer.draft` span is
-  its child.
+  its child; a request for the next step's drafts sent as soon as a step committed (the engine's early ask)
+  travels under an `ask_early` span, a child of that step.
 
 Counters are read from the engine's own counters (EngineStats, scheduler, RemoteProposer) when metrics
 are collected, so metric values are those counters, and a step costs nothing for them. Only histograms
@@ -133,6 +134,13 @@ class VerifierTelemetry:
             "specdec_early_drafts_used",
             "of those, drafts the next step took (the others were asked again in its propose phase)",
             lambda: engine.early_stats.used,
+        )
+        counter(
+            "specdec_received_draft_tokens",
+            "draft tokens received from the proposer, verified or not (early drafts no step took, late replies, "
+            "drafts cut to the scheduled length)",
+            lambda: self.proposer.received_draft_tokens if self.proposer is not None else 0,
+            "{token}",
         )
         counter(
             "specdec_invalid_drafts",
@@ -357,6 +365,23 @@ class VerifierTelemetry:
             for seq_id, why in rt.invalid:
                 step.propose_span.add_event("invalid_draft", {"specdec.seq_id": seq_id, "specdec.reason": why})
         step.propose_span.end(end_time=_ns(proposed, self._offset_ns))
+
+    def asking_early(self, num_seqs: int) -> tuple[trace.Span, object] | None:
+        """The next step's drafts are asked for after this step's commit: an `ask_early` span, a child of this
+        step, is current while the request is sent, so the proposer's `proposer.draft` span is its child."""
+        step = self._step
+        if step is None:
+            return None
+        span = self.tracer.start_span(
+            "ask_early", context=trace.set_span_in_context(step.span), attributes={"specdec.sequences": num_seqs}
+        )
+        return span, otel_context.attach(trace.set_span_in_context(span))
+
+    def asked_early(self, token: tuple[trace.Span, object] | None) -> None:
+        if token is not None:
+            span, attached = token
+            otel_context.detach(attached)  # type: ignore[arg-type]
+            span.end()
 
     def step_finished(
         self, outputs: list[RequestOutput], start: float, proposed: float, scored: float, verified: float

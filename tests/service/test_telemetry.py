@@ -186,12 +186,21 @@ def check_trace(stack: Stack, spans: list[ReadableSpan], responses: list[gateway
     for name in ("propose", "score", "verify"):
         phase = by_name(spans, name)
         assert len(phase) == stats.steps and all(p.parent.span_id in step_ids for p in phase)
+    # An early ask (the next step's drafts, asked for once a step committed) is a child of that step.
     propose_ids = {p.context.span_id for p in by_name(spans, "propose")}
+    early = by_name(spans, "ask_early")
+    assert all(e.parent.span_id in step_ids for e in early)
+    early_ids = {e.context.span_id for e in early}
     drafts = by_name(spans, "proposer.draft")
-    assert drafts and all(d.parent.span_id in propose_ids for d in drafts)
-    assert sum(d.attributes["specdec.drafted_tokens"] for d in drafts) == stats.drafted_tokens
+    assert drafts and all(d.parent.span_id in propose_ids | early_ids for d in drafts)
+    # (one each; a reply no step took may still be on its way)
+    assert 0 < len([d for d in drafts if d.parent.span_id in early_ids]) <= len(early)
+    assert sum(d.attributes["specdec.drafted_tokens"] for d in drafts) >= stats.drafted_tokens
     remote = [p for p in by_name(spans, "propose") if "specdec.proposer.round_trip_seconds" in p.attributes]
-    assert len(remote) == len(drafts)
+    # A propose phase waits for one reply: to its own request, or to the early ask it took.
+    asked_in_phase = {d.parent.span_id for d in drafts} & propose_ids
+    assert asked_in_phase <= {p.context.span_id for p in remote}
+    assert len(remote) <= len(drafts)
     for p in remote:
         a = p.attributes
         assert 0 < a["specdec.proposer.draft_seconds"] <= a["specdec.proposer.round_trip_seconds"]
@@ -236,6 +245,7 @@ def test_metric_identities_after_a_mixed_workload(tokenizer):
                     break
                 await asyncio.sleep(0.05)
             check_error_spans(spans, len(results))
+            await replies_read(stack)
             check_metrics(stack, scrape(stack.telemetry["verifier"].metrics_port), results)
             check_dashboard({name for svc in stack.telemetry.values() for name, _ in scrape(svc.metrics_port)})
 
@@ -264,6 +274,15 @@ async def cancelled_midway(stack: Stack) -> None:
     async for _ in call:
         break
     call.cancel()
+
+
+async def replies_read(stack: Stack) -> None:
+    """A reply to an early ask that no step took may still be on its way when the engine is idle."""
+    for _ in range(100):
+        sent = points(stack.readers["proposer"])["specdec_proposer_draft_tokens"][()]
+        if stack.verifier.proposer.received_draft_tokens == sent:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def wait_idle(stack: Stack) -> None:
@@ -341,7 +360,10 @@ def check_metrics(stack: Stack, m: dict, results: list) -> None:
         (("code", "INVALID_ARGUMENT"),): 1,
     }
     assert gateway["specdec_gateway_time_to_first_token_seconds"][()] == len(results) + 1
-    assert points(stack.readers["proposer"])["specdec_proposer_draft_tokens"][()] == drafted
+    # Every token the proposer drafted reached the verifier; the ones it did not score were asked early for a
+    # step that did not take them, or cut to the scheduled length.
+    received = value("specdec_received_draft_tokens_total")
+    assert points(stack.readers["proposer"])["specdec_proposer_draft_tokens"][()] == received >= drafted
 
 
 def points(reader: InMemoryMetricReader) -> dict[str, dict[tuple, float]]:
