@@ -46,7 +46,7 @@ USAGE_FIELDS = (
     "drafted_tokens",
     "accepted_tokens",
     "num_steps",
-    "mean_accepted_length",
+    "tokens_per_step",
 )
 
 
@@ -150,7 +150,7 @@ def stats_line(final: Any, elapsed: float, ttft: float | None) -> str:
         f"drafted={u.drafted_tokens}",
         f"accepted={u.accepted_tokens}",
         f"acceptance_rate={rate:.1%}" if rate is not None else "acceptance_rate=n/a",
-        f"mean_accepted_length={u.mean_accepted_length:.2f}",
+        f"tokens_per_step={u.tokens_per_step:.2f}",
         f"tokens_per_s={u.completion_tokens / elapsed:.1f}" if elapsed > 0 else "",
         f"ttft_s={ttft:.3f}" if ttft is not None else "",
     ]

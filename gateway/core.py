@@ -21,19 +21,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import grpc
-
 from gateway.auth import ApiKeyAuth, Grant
 from gateway.backends import BackendPool
-from gateway.frontend import Chunk, Frontend, PreparedRequest, RequestFields
+from gateway.output import Chunk
+from gateway.prepare import PreparedRequest, RequestFields, RequestPreparer
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
+from gateway.verifier_client import VerifierCall, VerifierError, VerifierFailed, VerifierFull, verifier_request
 from shared.errors import (
     InvalidRequestError,
     OverloadedError,
@@ -41,12 +40,10 @@ from shared.errors import (
     SpecdecError,
     UnauthenticatedError,
     UnavailableError,
-    grpc_status_for,
 )
 from shared.logprobs import TokenLogprob
 from shared.logprobs import from_proto as logprobs_from_proto
-from shared.proto_convert import sampling_params_to_proto
-from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2
+from shared.proto_gen.specdec.v1 import common_pb2
 from shared.request_ids import checked_or_empty, new_internal_id
 from shared.telemetry import Telemetry
 
@@ -56,23 +53,6 @@ FINISH_UNSPECIFIED = common_pb2.FINISH_REASON_UNSPECIFIED
 FINISH_STOP = common_pb2.FINISH_REASON_STOP
 FINISH_LENGTH = common_pb2.FINISH_REASON_LENGTH
 FINISH_ABORT = common_pb2.FINISH_REASON_ABORT
-
-
-class VerifierError(Exception):
-    """A verifier's error status, passed through to the client unchanged (code and message)."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-class _VerifierFailed(Exception):
-    """The verifier died or dropped the call: resume the request elsewhere."""
-
-
-class _VerifierFull(Exception):
-    """The verifier's queue is full (RESOURCE_EXHAUSTED before any token): try another, or shed the load."""
 
 
 @dataclass
@@ -157,13 +137,17 @@ class GatewayCore:
     detokenization, stop strings, logprobs, usage."""
 
     def __init__(
-        self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None, auth: ApiKeyAuth | None = None
+        self,
+        preparer: RequestPreparer,
+        pool: BackendPool,
+        telemetry: Telemetry | None = None,
+        auth: ApiKeyAuth | None = None,
     ) -> None:
-        self.frontend = frontend
+        self.preparer = preparer
         self.auth = auth  # None: no API keys (--api-keys-file unset)
         self.pool = pool
         self.router = pool.router
-        self.config = frontend.config
+        self.config = preparer.config
         self.counters = GatewayCounters()
         self.telemetry = GatewayTelemetry(telemetry or Telemetry("specdec-gateway"), self.counters)
 
@@ -210,11 +194,10 @@ class GatewayCore:
         traced = self.telemetry.request_started(internal_id, session_id, grant.name, client_id)
         run = _RequestRun(internal_id, traced, started, client_id or internal_id, live_calls=live_calls, grant=grant)
         try:
-            self.frontend.check_fields(fields, self.router.vocab_limit())
-            if fields.structured_output is not None:  # compiles in 1-40 ms (cached): off the event loop
-                await asyncio.to_thread(self.frontend.formats.check, fields.structured_output)
-            prompt_ids = await self._prompt_ids(fields)
-            prepared = dataclasses.replace(self.frontend.prepare(fields, prompt_ids, internal_id), tenant=grant.name)
+            # Off the event loop: a long prompt or a large format must not stall every other stream and the health
+            # checks.
+            vocab = self.router.vocab_limit()
+            prepared = await asyncio.to_thread(self.preparer.prepare_request, fields, vocab, internal_id, grant.name)
             grant.charge(len(prepared.prompt_ids))
             final: Final | None = None
             async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:
@@ -234,28 +217,20 @@ class GatewayCore:
                 client_id,
                 str(err),
             )
-            self.telemetry.failed(run.traced, *status_of(err))
+            self.telemetry.failed(run.traced, err)
             raise
         finally:
-            self.telemetry.failed(run.traced, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
+            self.telemetry.cancelled(run.traced)
             self.counters.active_requests -= 1
             for call in live_calls:
                 call.cancel()
-
-    async def _prompt_ids(self, fields: RequestFields) -> tuple[int, ...]:
-        # Off the event loop: a long prompt must not stall every other stream and the health checks.
-        if fields.messages:
-            return await asyncio.to_thread(self.frontend.render_chat, fields.messages)
-        if fields.prompt:
-            return await asyncio.to_thread(self.frontend.tokenize, fields.prompt)
-        return fields.prompt_token_ids
 
     async def _resume_loop(
         self, prepared: PreparedRequest, run: _RequestRun, context: ClientCall
     ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
         """One verifier segment after another until the request has its final message: a verifier that fails
         mid-stream is left out and the next one continues from the tokens emitted so far."""
-        out = self.frontend.output(prepared)
+        out = self.preparer.output(prepared)
         final: Final | None = None
         while final is None:
             final = self._finished_before_call(prepared, out.token_ids)
@@ -267,7 +242,7 @@ class GatewayCore:
                 break
             backend = await self._pick_backend(prepared.session_id, run.failed_backends | run.full_backends, run)
             if not out.token_ids:
-                prepared = self.frontend.check_context(prepared, backend.max_model_len)
+                prepared = self.preparer.check_context(prepared, backend.max_model_len)
                 out.max_tokens = prepared.max_tokens
             segment = _Segment(calls=run.live_calls)
             stream = self._call_verifier(prepared, out, backend.address, segment, context, run.traced)
@@ -280,10 +255,10 @@ class GatewayCore:
                             run.acct.add_segment(segment)
                             self._finish(run, prepared, out.token_ids, final)
                         yield chunk, final
-            except _VerifierFull as err:
+            except VerifierFull as err:
                 run.full_backends.add(backend.address)  # not a failure: the next pick skips it
                 run.full_reason = str(err)
-            except _VerifierFailed as err:
+            except VerifierFailed as err:
                 run.acct.add_segment(segment)
                 self._resume_or_give_up(run, backend.address, len(out.token_ids), err)
 
@@ -300,7 +275,7 @@ class GatewayCore:
             await self.pool.recheck_unhealthy()
             return self.router.pick(session_id, exclude=exclude)
 
-    def _resume_or_give_up(self, run: _RequestRun, address: str, emitted: int, err: _VerifierFailed) -> None:
+    def _resume_or_give_up(self, run: _RequestRun, address: str, emitted: int, err: VerifierFailed) -> None:
         """The verifier at `address` failed mid-stream: leave it out and resume, or UNAVAILABLE after
         max_resumes."""
         run.failed_backends.add(address)
@@ -350,7 +325,7 @@ class GatewayCore:
             return None
         last = emitted[-1]
         # The verifier stops on all of the model's EOS ids, not only the tokenizer's one.
-        eos = self.router.eos_token_ids() | {self.frontend.eos_token_id}
+        eos = self.router.eos_token_ids() | {self.preparer.eos_token_id}
         if last in prepared.stop_token_ids or (last in eos and not prepared.ignore_eos):
             return Final(FINISH_STOP, common_pb2.Usage(), stop_token_id=last)
         if len(emitted) >= prepared.max_tokens:
@@ -371,34 +346,19 @@ class GatewayCore:
     ) -> AsyncGenerator[tuple[Chunk, Final | None], None]:
         backend = self.pool[address]
         emitted = list(out.token_ids)
-        request = verifier_pb2.VerifierGenerateRequest(
-            request_id=prepared.request_id,
-            session_id=prepared.session_id,
-            prompt_token_ids=[*prepared.prompt_ids, *emitted],
-            sampling_params=sampling_params_to_proto(prepared.sampling),
-            max_tokens=prepared.max_tokens - len(emitted),
-            stop_token_ids=prepared.stop_token_ids,
-            ignore_eos=prepared.ignore_eos,
-            max_draft_tokens=prepared.max_draft_tokens,
-            output_offset=len(emitted),  # a resume: seeded sampling goes on from the same output position
-            logprobs=prepared.num_logprobs is not None,
-            top_logprobs=prepared.num_logprobs or 0,
-            tenant=prepared.tenant,
-        )
         timeout = context.time_remaining()  # the client's deadline, passed on; None when it set none
         if timeout is None:
             timeout = self.config.verifier_call_timeout_s
+        request = verifier_request(prepared, emitted)
         with self.telemetry.current(traced):  # the call's client span and metadata carry the request's trace
-            call = backend.stub.Generate(request, timeout=timeout)
+            call = VerifierCall(backend.stub, request, timeout, self.config.stream_idle_timeout_s, address)
         segment.calls.append(call)
         backend.load.active_requests += 1
         last: tuple[Chunk, Final] | None = None
         try:
-            while (msg := await self._next_message(call, address)) is not grpc.aio.EOF:
+            async for msg in call.messages(context.done):
                 if last is not None:
                     continue  # nothing follows the final message; reading on to the end completes the call
-                if not msg.token_ids and msg.finish_reason == FINISH_UNSPECIFIED and not msg.HasField("usage"):
-                    continue  # a keep-alive: the request waits its turn on a busy verifier (it resets the idle limit)
                 if msg.token_ids:
                     segment.steps += 1
                 segment.drafted = max(segment.drafted, msg.drafted_tokens)
@@ -425,16 +385,10 @@ class GatewayCore:
                 # The status follows the last message at once. Reading it ends the call (and its client
                 # span, which the tracing interceptor closes when the response stream is exhausted).
                 last = self._last_chunk(chunk, out, reason, msg)
-        except grpc.aio.AioRpcError as err:
-            if last is not None:  # the request was complete before the call failed
-                yield last
-                return
-            code = err.code()
-            if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not out.token_ids[len(emitted) :]:
-                raise _VerifierFull(err.details()) from None
-            if code == grpc.StatusCode.UNAVAILABLE or (code == grpc.StatusCode.CANCELLED and not context.done()):
-                raise _VerifierFailed(f"verifier {address}: {code.name}: {err.details()}") from None
-            raise VerifierError(code, err.details() or code.name) from None
+        except (VerifierFailed, VerifierFull, VerifierError):
+            if last is None:
+                raise
+            # the request was complete before the call failed: fall through and deliver it
         finally:
             backend.load.active_requests -= 1
             if not call.done():
@@ -444,25 +398,14 @@ class GatewayCore:
             yield last
             return
         # The stream ended without a finish reason: a broken verifier; resume elsewhere.
-        raise _VerifierFailed(f"verifier {address} ended the stream without a finish reason")
+        raise VerifierFailed(f"verifier {address} ended the stream without a finish reason")
 
     @staticmethod
     def _logprobs(msg: Any, address: str) -> list[TokenLogprob]:
         try:
             return logprobs_from_proto(msg.logprobs, msg.token_ids)
         except ValueError as err:  # a broken verifier: its output cannot be trusted, go on elsewhere
-            raise _VerifierFailed(f"verifier {address} sent malformed logprobs: {err}") from None
-
-    async def _next_message(self, call: Any, address: str) -> Any:
-        """The verifier's next message, or _VerifierFailed when it stays silent past stream_idle_timeout_s (a
-        hung verifier that still passes health checks): the request then resumes elsewhere."""
-        try:
-            return await asyncio.wait_for(call.read(), self.config.stream_idle_timeout_s)
-        except TimeoutError:
-            call.cancel()
-            raise _VerifierFailed(
-                f"verifier {address} sent nothing for {self.config.stream_idle_timeout_s:g} s"
-            ) from None
+            raise VerifierFailed(f"verifier {address} sent malformed logprobs: {err}") from None
 
     def _last_chunk(self, chunk: Chunk, out: Any, reason: int, msg: Any) -> tuple[Chunk, Final]:
         tail = out.finish()
@@ -486,12 +429,6 @@ class GatewayCore:
             drafted_tokens=acct.drafted,
             accepted_tokens=min(acct.accepted, acct.drafted),
             num_steps=acct.steps,
-            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,
+            mean_accepted_length=completion / acct.steps if acct.steps else 0.0,  # deprecated: tokens_per_step
+            tokens_per_step=completion / acct.steps if acct.steps else 0.0,
         )
-
-
-def status_of(err: Exception) -> tuple[grpc.StatusCode, str]:
-    """The gRPC status of an error the core raised: a verifier's own status unchanged, else the domain mapping."""
-    if isinstance(err, VerifierError):
-        return err.code, err.details
-    return grpc_status_for(err)

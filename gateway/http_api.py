@@ -29,10 +29,12 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.auth import Grant
-from gateway.core import Final, GatewayCore, VerifierError, status_of
-from gateway.frontend import Chunk, RequestFields
+from gateway.core import Final, GatewayCore
 from gateway.openai_schema import ChatCompletionRequest, CompletionRequest
+from gateway.output import Chunk
+from gateway.prepare import RequestFields
 from gateway.token_text import TokenText
+from gateway.verifier_client import VerifierError, status_of
 from shared.errors import (
     InvalidRequestError,
     NotFoundError,
@@ -120,7 +122,7 @@ class _Api:
     def __init__(self, core: GatewayCore, model_name: str) -> None:
         self.core = core
         self.model_name = model_name
-        self.tokens = TokenText(core.frontend.tokenizer)
+        self.tokens = TokenText(core.preparer.tokenizer)
 
     # -- endpoints ---------------------------------------------------------------------------------
 

@@ -14,8 +14,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from gateway.frontend import RequestFields
 from gateway.openai_formats import structured_output_from_http
+from gateway.prepare import RequestFields
 from shared.errors import InvalidRequestError
 from shared.logprobs import MAX_TOP_LOGPROBS
 

@@ -30,8 +30,8 @@ from gateway.auth import ApiKeyAuth, KeyFile
 from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
 from gateway.core import GatewayCore
-from gateway.frontend import Frontend
 from gateway.http_api import make_app
+from gateway.prepare import RequestPreparer
 from gateway.servicer import GatewayServicer
 from shared.grpc_server import (
     add_health_and_reflection,
@@ -172,7 +172,7 @@ async def start_gateway(
     if telemetry is None:
         telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
     pool = BackendPool(config, interceptors=telemetry.client_interceptors())
-    servicer = GatewayServicer(Frontend(tokenizer, config), pool, telemetry, auth=auth)
+    servicer = GatewayServicer(RequestPreparer(tokenizer, config), pool, telemetry, auth=auth)
     server = new_server(telemetry.server_interceptors(), config.max_request_bytes, config.max_concurrent_rpcs)
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME], reflection_on=config.enable_reflection)

@@ -15,8 +15,10 @@ import grpc
 
 from gateway.auth import ApiKeyAuth, Grant
 from gateway.backends import BackendPool
-from gateway.core import Final, GatewayCore, VerifierError, status_of
-from gateway.frontend import Chunk, Frontend, RequestFields
+from gateway.core import Final, GatewayCore
+from gateway.output import Chunk
+from gateway.prepare import RequestFields, RequestPreparer
+from gateway.verifier_client import VerifierError, status_of
 from shared.errors import SpecdecError, grpc_trailing_metadata_for
 from shared.logprobs import to_proto as logprobs_to_proto
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
@@ -25,11 +27,15 @@ from shared.telemetry import Telemetry
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServicer):
     def __init__(
-        self, frontend: Frontend, pool: BackendPool, telemetry: Telemetry | None = None, auth: ApiKeyAuth | None = None
+        self,
+        preparer: RequestPreparer,
+        pool: BackendPool,
+        telemetry: Telemetry | None = None,
+        auth: ApiKeyAuth | None = None,
     ) -> None:
-        self.core = GatewayCore(frontend, pool, telemetry, auth)
+        self.core = GatewayCore(preparer, pool, telemetry, auth)
         # the core's parts, under the names tests and server.py reach them by
-        self.frontend = frontend
+        self.preparer = preparer
         self.pool = pool
         self.router = self.core.router
         self.counters = self.core.counters

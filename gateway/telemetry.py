@@ -18,6 +18,7 @@ import grpc
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from gateway.verifier_client import status_of
 from shared.telemetry import RequestLatency, Telemetry, observable_counter, observable_gauge, set_error
 
 
@@ -120,10 +121,18 @@ class GatewayTelemetry:
         )
         self._end(req, grpc.StatusCode.OK)
 
-    def failed(self, req: GatewayRequestTrace, code: grpc.StatusCode, message: str) -> None:
+    def failed(self, req: GatewayRequestTrace, err: Exception) -> None:
+        """The request ended with `err` (a domain error or a verifier's status), unless it ended already."""
         if not req.ended:
+            code, message = status_of(err)
             set_error(req.span, code, message)
             self._end(req, code)
+
+    def cancelled(self, req: GatewayRequestTrace) -> None:
+        """The call ended before the request finished (the client left), unless it ended already."""
+        if not req.ended:
+            set_error(req.span, grpc.StatusCode.CANCELLED, "the call ended before the request finished")
+            self._end(req, grpc.StatusCode.CANCELLED)
 
     def _end(self, req: GatewayRequestTrace, code: grpc.StatusCode) -> None:
         req.ended = True

@@ -21,18 +21,15 @@ its grammar allows at each position (proposer_service/draft_grammar.py); a draft
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from proposer_service.draft_grammar import DraftWalk, draft_walk
-from proposer_service.paged_drafter import PagedDrafter, common_prefix, draft_generator, stack_supports
-from shared.drafting import Draft, DraftRequest
-from shared.grammar import GrammarCompiler, GrammarMatcher
+from proposer_service.paged_drafter import PagedDrafter, common_prefix, draft_generator
+from shared.drafting import DraftRequest
+from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.model.runner import ForwardItem, ModelRunner
-from shared.sampling import logits_to_probs, params_to_tensors
-from shared.seeded import seeded_tokens
 
 CATCH_UP_CHUNK = 512
 # Tokens fed per catch-up forward, all sequences together (the verifier's max_num_batched_tokens): a proposer
@@ -53,32 +50,8 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
     ) -> None:
         super().__init__(runner.cache, block_manager, top_n, grammar)
         self.runner = runner
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts: dict[str, Draft] = {}
-        active: list[tuple[DraftRequest, list[int]]] = []
-        matchers: list[GrammarMatcher | None] = []  # of the active sequences
-        ingest: list[tuple[DraftRequest, list[int]]] = []
-        in_request = {req.seq_id for req in requests}
-        for req in requests:
-            tokens = self.history.apply(req)
-            if tokens is None:
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-                continue
-            may_draft, matcher = self.grammar.update(req, tokens)
-            if not may_draft:
-                req = replace(req, k=0)
-            prepared = self._prepare(req, tokens, in_request)
-            drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-            if prepared and req.k > 0:
-                active.append((req, tokens))
-                matchers.append(matcher)
-            elif prepared and req.new_token_ids:
-                ingest.append((req, tokens))
-        self._ingest(ingest)
-        for draft in self._draft(active, matchers):
-            drafts[draft.seq_id] = draft
-        return [drafts[req.seq_id] for req in requests]
+        self.vocab_size = runner.vocab_size
+        self._feeds: dict[str, list[int]] = {}  # per active sequence: what its first draft position feeds
 
     def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
         """Roll the cache back to its longest valid prefix and reserve room for this round."""
@@ -110,95 +83,46 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         self.blocks.free(seq_id)
         state.cached.clear()
 
-    def _draft(
-        self, active: list[tuple[DraftRequest, list[int]]], matchers: list[GrammarMatcher | None]
-    ) -> list[Draft]:
-        if not active:
-            return []
-        with draft_walk(self.grammar, matchers) as walk:
-            return self._draft_walking(active, walk)
+    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]], idle: list[tuple[DraftRequest, list[int]]]):
+        """Idle sequences with new tokens (the verifier is prefilling this prompt, k = 0) compute their K/V now,
+        in chunks, so the first draft round finds the prompt cached instead of catching up on all of it at once;
+        the last committed token stays unfed. Active ones feed all but what the first draft position feeds
+        (at most CATCH_UP_TOKENS over the batch)."""
+        ingest = [(req, tokens) for req, tokens in idle if req.new_token_ids]
+        self._feed_in_chunks(ingest, keep=1)
+        feeds = self._feed_in_chunks(active, keep=max(1, min(CATCH_UP_CHUNK, CATCH_UP_TOKENS // max(1, len(active)))))
+        self._feeds = {req.seq_id: feed for (req, _), feed in zip(active, feeds, strict=True)}
 
-    def _draft_walking(self, active: list[tuple[DraftRequest, list[int]]], walk: DraftWalk) -> list[Draft]:
-        reqs = [req for req, _ in active]
-        states = [self.states[req.seq_id] for req in reqs]
-        feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(active, states, strict=True)]
-        # The first draft position also catches up on what is left: at most CATCH_UP_TOKENS over the batch.
-        self._feed_in_chunks(reqs, states, feeds, keep=max(1, min(CATCH_UP_CHUNK, CATCH_UP_TOKENS // len(reqs))))
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
-        ended = [False] * len(reqs)  # the format ended the draft early
-        for step in range(max(req.k for req in reqs)):
-            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
-            if not rows:
-                break
-            items = []
-            for i in rows:
-                items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), feeds[i], 1))
-                states[i].cached.extend(feeds[i])
-            logits = torch.cat(self.runner.forward(items))  # [rows, vocab]
-            logits, rows = walk.mask(logits, rows, ended)
-            for row, (token, support) in zip(
-                rows, self._sample(logits, [reqs[i] for i in rows], states, rows, step), strict=True
-            ):
-                keep, draft_on = walk.advance(row, token)
-                ended[row] = not draft_on
-                if not keep:
-                    continue
-                out_ids[row].append(token)
-                if support is not None:
-                    out_probs[row].append(support)
-                feeds[row] = [token]
-        return [
-            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
-            for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
-        ]
+    def _position_logits(
+        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
+    ) -> torch.Tensor:  # [len(rows), vocab]
+        items = []
+        for i in rows:
+            seq_id = reqs[i].seq_id
+            feed = self._feeds.pop(seq_id) if step == 0 else [out_ids[i][-1]]
+            state = self.states[seq_id]
+            items.append(ForwardItem(self.blocks.block_table(seq_id), len(state.cached), feed, 1))
+            state.cached.extend(feed)
+        return torch.cat(self.runner.forward(items))
 
-    def _ingest(self, rows: list[tuple[DraftRequest, list[int]]]) -> None:
-        """k = 0 with new tokens (the verifier is prefilling this prompt): compute their K/V now, in chunks, so
-        the first draft round finds the prompt cached instead of catching up on all of it at once. The last
-        committed token stays unfed: the first draft position reads it."""
-        reqs = [req for req, _ in rows]
-        states = [self.states[req.seq_id] for req in reqs]
+    def _feed_in_chunks(self, rows: list[tuple[DraftRequest, list[int]]], keep: int) -> list[list[int]]:
+        """Feed all but the last `keep` uncached tokens of each row, at most CATCH_UP_CHUNK per sequence and
+        CATCH_UP_TOKENS in all per forward (no logits); returns what each row left unfed."""
+        states = [self.states[req.seq_id] for req, _ in rows]
         feeds = [tokens[len(state.cached) :] for (_, tokens), state in zip(rows, states, strict=True)]
-        self._feed_in_chunks(reqs, states, feeds, keep=1)
-
-    def _feed_in_chunks(
-        self, reqs: list[DraftRequest], states: list[_SeqState], feeds: list[list[int]], keep: int
-    ) -> None:
-        """Feed all but the last `keep` tokens of each feed, at most CATCH_UP_CHUNK per sequence and
-        CATCH_UP_TOKENS in all per forward (no logits); `feeds` keep the rest."""
         while True:
-            rows = [i for i, feed in enumerate(feeds) if len(feed) > keep]
-            if not rows:
-                return
+            pending = [i for i, feed in enumerate(feeds) if len(feed) > keep]
+            if not pending:
+                return feeds
             items = []
             budget = CATCH_UP_TOKENS
-            for i in rows:
+            for i in pending:
                 n = min(CATCH_UP_CHUNK, len(feeds[i]) - keep, budget)
                 if n <= 0:
                     break  # the next forward feeds the others
                 budget -= n
                 chunk, feeds[i] = feeds[i][:n], feeds[i][n:]
-                items.append(ForwardItem(self.blocks.block_table(reqs[i].seq_id), len(states[i].cached), chunk, 0))
+                seq_id = rows[i][0].seq_id
+                items.append(ForwardItem(self.blocks.block_table(seq_id), len(states[i].cached), chunk, 0))
                 states[i].cached.extend(chunk)
             self.runner.forward(items)
-
-    def _sample(self, logits, reqs: list[DraftRequest], states: list[_SeqState], rows: list[int], step: int):
-        params = [req.params for req in reqs]
-        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, vocab]
-        for row_probs, req, row in zip(probs, reqs, rows, strict=True):
-            p = req.params
-            if p.is_greedy:
-                yield int(row_probs.argmax()), None
-                continue
-            if p.seed is not None:
-                # The target's noise at this output position: the verifier accepts exactly what it would emit,
-                # and reads no draft probabilities, so none are sent.
-                yield int(seeded_tokens(row_probs.unsqueeze(0), p.seed, [req.draft_position + step])[0]), None
-                continue
-            # Truncate to the top_n tokens and sample from exactly that renormalised distribution.
-            top_probs, top_ids = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
-            # The generators are CPU generators, and the wire wants CPU tensors anyway.
-            top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), top_ids.cpu()
-            choice = torch.multinomial(top_probs, 1, generator=states[row].generator)
-            yield int(top_ids[choice]), (top_ids, top_probs)

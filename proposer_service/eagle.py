@@ -16,20 +16,17 @@ so does a position where the head's vocabulary subset holds no allowed token.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from proposer_service.draft_grammar import DraftWalk, draft_walk
-from proposer_service.paged_drafter import PagedDrafter, draft_generator, stack_supports
-from shared.drafting import Draft, DraftRequest, FeatureStore
-from shared.grammar import GrammarCompiler, GrammarMatcher
+from proposer_service.paged_drafter import PagedDrafter, draft_generator
+from shared.drafting import DraftRequest, FeatureStore
+from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, build_metadata
 from shared.model.eagle import EagleHead
-from shared.sampling import logits_to_probs, params_to_tensors
-from shared.seeded import gumbel_argmax, gumbel_noise
 
 MAX_SEQUENTIAL_FILL = 16  # gap positions filled one by one from the head's own guesses; earlier ones in bulk
 
@@ -41,6 +38,7 @@ class _SeqState:
     num_done: int = 0  # head positions in the cache (real or filled features)
     num_exact: int = 0  # leading positions built from real features only: the cacheable prefix
     last_hidden: torch.Tensor | None = None  # head output at num_done - 1: its guess of feature num_done
+    draft_hidden: torch.Tensor | None = None  # this round: the head's guess of the feature at the next draft
 
 
 class EagleDrafter(PagedDrafter[_SeqState]):
@@ -58,41 +56,22 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         self.head = head
         self.vocab_size = head.arch.vocab_size
 
-    # ---- Drafter protocol ------------------------------------------------------------------------
-
-    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
-        drafts: dict[str, Draft] = {}
-        active: list[tuple[DraftRequest, list[int]]] = []
-        matchers: list[GrammarMatcher | None] = []  # of the active sequences
-        in_request = {req.seq_id for req in requests}
-        for req in requests:
-            tokens = self.history.apply(req)
-            if tokens is None:
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
-                continue
-            may_draft, matcher = self.grammar.update(req, tokens)
-            if not may_draft:
-                req = replace(req, k=0)
-            if self._can_draft(req, tokens, in_request):
-                active.append((req, tokens))
-                matchers.append(matcher)
-            else:
-                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
-        if active:
-            self._catch_up(active)
-            with draft_walk(self.grammar, matchers) as walk:
-                for draft in self._draft([req for req, _ in active], walk):
-                    drafts[draft.seq_id] = draft
-        return [drafts[req.seq_id] for req in requests]
+    @property
+    def vocab_subset(self) -> torch.Tensor:
+        return self.head.vocab_subset
 
     # ---- state ----------------------------------------------------------------------------------
 
-    def _can_draft(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
-        if not self._take_features(req) or req.k <= 0:
+    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
+        """Store the request's features; then, for a request that drafts, pick up cached head blocks on first
+        contact and reserve room for catch-up and drafts."""
+        if not self._take_features(req):
             return False
+        if req.k <= 0:
+            return True  # nothing to compute until the sequence drafts
         if self.states[req.seq_id].features.end == 0:  # the verifier sends none: nothing to draft from
             return False
-        return self._prepare(req, tokens, in_request)
+        return self._prepare_blocks(req, tokens, in_request)
 
     def _take_features(self, req: DraftRequest) -> bool:
         """Store the request's features; False (no draft) when they do not line up with its prefix."""
@@ -116,8 +95,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         self._drop_cache(seq_id)
         del self.states[seq_id]
 
-    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
-        """Pick up cached head blocks on first contact and reserve room for catch-up and drafts."""
+    def _prepare_blocks(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
         state = self.states[req.seq_id]
         keys = _pair_keys(tokens)  # head position j <-> (t_j, t_{j+1})
         if state.num_done == 0 and not self.blocks.has_seq(req.seq_id):
@@ -155,9 +133,9 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         hidden = self.head(features, next_ids, self.kv_cache.layers, meta)  # [T, hidden]
         return list(hidden.split([len(ids) for *_, ids in rows]))
 
-    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]]) -> None:
-        """Bring every sequence's head to position len(tokens) - 2: real features in one batched forward,
-        positions without one filled one at a time from the head's own guess."""
+    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]], idle: list[tuple[DraftRequest, list[int]]]):
+        """Bring every active sequence's head to position len(tokens) - 2: real features in one batched forward,
+        positions without one filled one at a time from the head's own guess. Idle ones wait until they draft."""
         batch = []
         for req, tokens in active:
             state, end = self.states[req.seq_id], len(tokens) - 1
@@ -192,66 +170,23 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
-    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk) -> list[Draft]:
-        states = [self.states[req.seq_id] for req in reqs]
-        guesses = [s.last_hidden for s in states]  # each: predicted feature at the first draft's position
-        assert all(g is not None for g in guesses)
-        out_ids: list[list[int]] = [[] for _ in reqs]
-        out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
-        ended = [False] * len(reqs)  # the format ended the draft early
-        for step in range(max(req.k for req in reqs)):
-            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
-            if not rows:
-                break
-            if step:
-                forward_rows = [
-                    (reqs[i].seq_id, states[i].num_done + step - 1, guesses[i].unsqueeze(0), [out_ids[i][-1]])  # type: ignore[union-attr]
-                    for i in rows
-                ]
-                for i, out in zip(rows, self._forward(forward_rows), strict=True):
-                    guesses[i] = out[-1]
-            logits = self.head.compute_logits(torch.stack([guesses[i] for i in rows]))  # type: ignore[misc]
-            logits, rows = walk.mask(logits, rows, ended, self.head.vocab_subset)
-            for i, (token, support) in zip(
-                rows, self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step), strict=True
-            ):
-                keep, draft_on = walk.advance(i, token)
-                ended[i] = not draft_on
-                if not keep:
-                    continue
-                out_ids[i].append(token)
-                if support is not None:
-                    out_probs[i].append(support)
-        return [
-            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
-            for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
-        ]
-
-    def _sample(self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[_SeqState], step: int):
-        """logits [rows, draft_vocab] over the subset -> (token id, sparse support or None) per row."""
-        subset = self.head.vocab_subset
-        params = [req.params for req in reqs]
-        if all(p.is_greedy for p in params):
-            for index in logits.argmax(dim=-1).tolist():
-                yield int(subset[index]), None
-            return
-        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, draft_vocab]
-        for row_probs, req, state in zip(probs, reqs, states, strict=True):
-            p = req.params
-            if p.is_greedy:
-                yield int(subset[row_probs.argmax()]), None
-                continue
-            if p.seed is not None:
-                # The target's noise at this output position, read at the subset's token ids; the verifier
-                # accepts exactly what it would emit and reads no draft probabilities.
-                noise = gumbel_noise(p.seed, [req.draft_position + step], self.vocab_size)[:, subset.cpu()]
-                yield int(subset[gumbel_argmax(row_probs.unsqueeze(0), noise)[0]]), None  # noise: [1, draft_vocab]
-                continue
-            # The head's distribution is zero outside the subset; truncate to top_n and send exactly that.
-            top_probs, top_index = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
-            top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), subset[top_index].cpu()
-            choice = torch.multinomial(top_probs, 1, generator=state.generator)
-            yield int(top_ids[choice]), (top_ids, top_probs)
+    def _position_logits(
+        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
+    ) -> torch.Tensor:  # [len(rows), draft_vocab]: over the subset
+        """Each row's predicted feature at its next draft position: at the first, the head's output at the last
+        committed position; after that, the head fed its previous output and drafted token."""
+        states = [self.states[reqs[i].seq_id] for i in rows]
+        if step:
+            forward_rows = [
+                (reqs[i].seq_id, state.num_done + step - 1, state.draft_hidden.unsqueeze(0), [out_ids[i][-1]])  # type: ignore[union-attr]
+                for i, state in zip(rows, states, strict=True)
+            ]
+            for state, out in zip(states, self._forward(forward_rows), strict=True):
+                state.draft_hidden = out[-1]
+        else:
+            for state in states:
+                state.draft_hidden = state.last_hidden
+        return self.head.compute_logits(torch.stack([s.draft_hidden for s in states]))  # type: ignore[misc]
 
 
 def _pair_keys(tokens: list[int]) -> list[int]:

@@ -1,28 +1,45 @@
 """What the two model drafters (draft model, EAGLE head) share: per-sequence committed history and state over
 a paged KV cache of their own, release, eviction of idle sequences when blocks run out, the drafter's own
-sampling stream, and each sequence's format (structured output)."""
+sampling stream, each sequence's format (structured output), and the drafting loop itself.
+
+A round (`propose`): every request updates its sequence (history, format, `_prepare`: the drafter's own
+state); the drafter catches its sequences up on their committed tokens (`_catch_up`); then all sequences
+that draft advance together, one position at a time: `_position_logits` gives the logits at each row's next
+draft position, the format masks them, and `_sample` picks the token (greedy, seeded with the target's noise,
+or from the top `top_n` tokens, whose exact distribution is sent).
+"""
 
 from __future__ import annotations
 
 import secrets
-from typing import Generic, TypeVar
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
-from proposer_service.draft_grammar import DraftGrammar
-from shared.drafting import SequenceHistory, SparseProbs
-from shared.grammar import GrammarCompiler
+from proposer_service.draft_grammar import DraftGrammar, DraftWalk, draft_walk
+from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
+from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
+from shared.seeded import gumbel_argmax, gumbel_noise
 
 # Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
-State = TypeVar("State")
+
+class SeqState(Protocol):
+    generator: torch.Generator  # the drafter's sampling stream for this sequence
+
+
+State = TypeVar("State", bound=SeqState)
 
 
 class PagedDrafter(Generic[State]):
+    vocab_size: int  # the target's vocabulary: drafted ids and seeded noise live in it
+
     def __init__(
         self, kv_cache: KVCache, block_manager: BlockManager, top_n: int, grammar: GrammarCompiler | None = None
     ) -> None:
@@ -33,6 +50,124 @@ class PagedDrafter(Generic[State]):
         self.states: dict[str, State] = {}
         self.grammar = DraftGrammar(grammar)  # without a compiler, sequences with a format are not drafted
 
+    # ---- the round ------------------------------------------------------------------------------
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts: dict[str, Draft] = {}
+        active: list[tuple[DraftRequest, list[int]]] = []  # draft this round
+        idle: list[tuple[DraftRequest, list[int]]] = []  # prepared, k = 0: only follow the committed tokens
+        matchers: list[GrammarMatcher | None] = []  # of the active sequences
+        in_request = {req.seq_id for req in requests}
+        for req in requests:
+            tokens = self.history.apply(req)
+            if tokens is None:
+                drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [], needs_resync=True)
+                continue
+            may_draft, matcher = self.grammar.update(req, tokens)
+            if not may_draft:
+                req = replace(req, k=0)
+            drafts[req.seq_id] = Draft(req.seq_id, req.committed_len, [])
+            if not self._prepare(req, tokens, in_request):
+                continue
+            if req.k > 0:
+                active.append((req, tokens))
+                matchers.append(matcher)
+            else:
+                idle.append((req, tokens))
+        self._catch_up(active, idle)
+        if active:
+            with draft_walk(self.grammar, matchers) as walk:
+                for draft in self._draft([req for req, _ in active], walk):
+                    drafts[draft.seq_id] = draft
+        return [drafts[req.seq_id] for req in requests]
+
+    def _draft(self, reqs: list[DraftRequest], walk: DraftWalk) -> list[Draft]:
+        states = [self.states[req.seq_id] for req in reqs]
+        out_ids: list[list[int]] = [[] for _ in reqs]
+        out_probs: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in reqs]
+        ended = [False] * len(reqs)  # the format ended the draft early
+        for step in range(max(req.k for req in reqs)):
+            rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
+            if not rows:
+                break
+            logits = self._position_logits(reqs, rows, step, out_ids)  # [len(rows), width]
+            logits, rows = walk.mask(logits, rows, ended, self.vocab_subset)
+            picks = self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step)
+            for row, (token, support) in zip(rows, picks, strict=True):
+                keep, draft_on = walk.advance(row, token)
+                ended[row] = not draft_on
+                if not keep:
+                    continue
+                out_ids[row].append(token)
+                if support is not None:
+                    out_probs[row].append(support)
+        return [
+            Draft(req.seq_id, req.committed_len, ids, stack_supports(probs) if probs else None)
+            for req, ids, probs in zip(reqs, out_ids, out_probs, strict=True)
+        ]
+
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[DraftRequest], states: list[State], step: int
+    ) -> Iterator[tuple[int, tuple[torch.Tensor, torch.Tensor] | None]]:
+        """logits [rows, width] (over `vocab_subset` when there is one) -> (token id, sparse support or None)."""
+        subset = self.vocab_subset
+        params = [req.params for req in reqs]
+        if all(p.is_greedy for p in params):
+            for index in logits.argmax(dim=-1).tolist():
+                yield self._token(index), None
+            return
+        probs = logits_to_probs(logits, **params_to_tensors(params))  # [rows, width]
+        for row_probs, req, state in zip(probs, reqs, states, strict=True):
+            p = req.params
+            if p.is_greedy:
+                yield self._token(int(row_probs.argmax())), None
+                continue
+            if p.seed is not None:
+                # The target's noise at this output position (read at the subset's ids): the verifier accepts
+                # exactly what it would emit, and reads no draft probabilities, so none are sent.
+                noise = gumbel_noise(p.seed, [req.draft_position + step], self.vocab_size)  # [1, vocab]
+                if subset is not None:
+                    noise = noise[:, subset.cpu()]  # [1, width]
+                yield self._token(int(gumbel_argmax(row_probs.unsqueeze(0), noise)[0])), None
+                continue
+            # Truncate to the top_n tokens and sample from exactly that renormalised distribution (zero outside a
+            # subset); the generators are CPU generators, and the wire wants CPU tensors anyway.
+            top_probs, top_index = row_probs.topk(min(self.top_n, row_probs.shape[-1]))
+            top_ids = top_index if subset is None else subset[top_index]
+            top_probs, top_ids = (top_probs / top_probs.sum()).cpu(), top_ids.cpu()
+            choice = torch.multinomial(top_probs, 1, generator=state.generator)
+            yield int(top_ids[choice]), (top_ids, top_probs)
+
+    def _token(self, index: int) -> int:
+        return index if self.vocab_subset is None else int(self.vocab_subset[index])
+
+    # ---- what each drafter provides ---------------------------------------------------------------
+
+    @property
+    def vocab_subset(self) -> torch.Tensor | None:
+        """The ids the logits' columns stand for, or None when column c is token c."""
+        return None
+
+    def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
+        """Follow the request's committed tokens and reserve room for this round; False: no draft this round."""
+        raise NotImplementedError
+
+    def _catch_up(self, active: list[tuple[DraftRequest, list[int]]], idle: list[tuple[DraftRequest, list[int]]]):
+        """Bring the drafter's cache to each active sequence's last committed token (and idle ones as it likes)."""
+        raise NotImplementedError
+
+    def _position_logits(
+        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
+    ) -> torch.Tensor:  # [len(rows), width]
+        """The logits at draft position `step` of each row; `out_ids`: the tokens drafted so far, per row."""
+        raise NotImplementedError
+
+    def _drop_cache(self, seq_id: str) -> None:
+        """Free the sequence's blocks, leaving those that hold committed tokens exactly in the prefix cache."""
+        raise NotImplementedError
+
+    # ---- state ----------------------------------------------------------------------------------
+
     def release(self, seq_ids: list[str]) -> None:
         for seq_id in seq_ids:
             if seq_id in self.states:
@@ -41,10 +176,6 @@ class PagedDrafter(Generic[State]):
             self.grammar.release(seq_id)
             self.states.pop(seq_id, None)
             self.blocks.free(seq_id)
-
-    def _drop_cache(self, seq_id: str) -> None:
-        """Free the sequence's blocks, leaving those that hold committed tokens exactly in the prefix cache."""
-        raise NotImplementedError
 
     def _reserve(self, seq_id: str, num_tokens: int, keep: set[str]) -> bool:
         """Room for `num_tokens`, evicting the caches of idle sequences (not in `keep`), oldest first."""

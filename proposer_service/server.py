@@ -1,4 +1,4 @@
-"""The proposer service: a thin gRPC layer over a Drafter (draft model or n-gram).
+"""The proposer service: a thin gRPC layer over a Drafter (draft model, EAGLE head or n-gram: builder.py).
 
 One bidi `Propose` stream per verifier. Sequence state is scoped to the stream: seq ids are namespaced per
 stream inside the (shared) drafter and everything a stream created is released when it ends, so a new
@@ -13,19 +13,19 @@ import itertools
 import logging
 import math
 import threading
-import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import grpc
 
+from proposer_service.builder import ProposerInfo, build_drafter
 from proposer_service.config import ProposerConfig
 from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
+from shared.draft_codec import pack_draft
 from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
-from shared.grammar import GrammarCompiler, load_compiler
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
@@ -39,43 +39,6 @@ from shared.tls import add_port, check_files_or_exit
 log = logging.getLogger("specdec.proposer")
 
 SERVICE_NAME = proposer_pb2.DESCRIPTOR.services_by_name["Proposer"].full_name
-KIND_TO_PROTO = {
-    "draft-model": proposer_pb2.PROPOSER_KIND_DRAFT_MODEL,
-    "ngram": proposer_pb2.PROPOSER_KIND_NGRAM,
-    "eagle": proposer_pb2.PROPOSER_KIND_EAGLE,
-}
-
-
-@dataclass(frozen=True)
-class ProposerInfo:
-    """What GetInfo reports; also bounds what the servicer asks of the drafter."""
-
-    kind: str  # "draft-model" or "ngram"
-    model: str = ""
-    vocab_size: int = 0  # 0: any vocabulary (n-gram only proposes ids it has seen)
-    tokenizer_fingerprint: str = ""
-    max_k: int = 16
-    max_model_len: int = 0  # 0: unlimited
-    target_hidden_size: int = 0  # > 0: the drafter reads the target's features of this size (eagle)
-
-    def to_proto(self) -> proposer_pb2.GetInfoResponse:
-        return proposer_pb2.GetInfoResponse(
-            kind=KIND_TO_PROTO.get(self.kind, proposer_pb2.PROPOSER_KIND_UNSPECIFIED),
-            model=self.model,
-            vocab_size=self.vocab_size,
-            tokenizer_fingerprint=self.tokenizer_fingerprint,
-            max_k=self.max_k,
-            max_model_len=self.max_model_len,
-            needs_target_features=self.target_hidden_size > 0,
-            target_hidden_size=self.target_hidden_size,
-            feature_dtype=(
-                proposer_pb2.FEATURE_DTYPE_FLOAT16
-                if self.target_hidden_size
-                else proposer_pb2.FEATURE_DTYPE_UNSPECIFIED
-            ),
-        )
-
-
 # ---- proto <-> domain ---------------------------------------------------------------------------
 
 
@@ -88,25 +51,6 @@ def _params_usable(params: SamplingParams) -> bool:
     except ValueError:
         return False
     return True
-
-
-def pack_draft(seq_id: str, draft: Draft) -> proposer_pb2.Draft:
-    """Domain draft -> wire draft; sparse probabilities flattened, zero-probability entries left out."""
-    msg = proposer_pb2.Draft(
-        seq_id=seq_id,
-        committed_len=draft.committed_len,
-        draft_token_ids=draft.token_ids,
-        needs_resync=draft.needs_resync,
-    )
-    k = len(draft.token_ids)
-    if draft.probs is not None and k:
-        ids = draft.probs.token_ids[:k].reshape(k, -1)  # [k, n]
-        probs = draft.probs.probs[:k].reshape(k, -1).float()  # [k, n]
-        keep = probs > 0
-        msg.draft_prob_token_ids.extend(ids[keep].tolist())  # row-major: position by position
-        msg.draft_probs.extend(probs[keep].tolist())  # float32 values, exact on the wire
-        msg.draft_prob_counts.extend(keep.sum(dim=1).tolist())
-    return msg
 
 
 # ---- the servicer -------------------------------------------------------------------------------
@@ -292,123 +236,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             return self.drafter.propose(requests)
 
 
-# ---- building and serving -----------------------------------------------------------------------
-
-
-def load_grammar_compiler(
-    tokenizer_source: str, vocab_size: int, eos_token_ids: tuple[int, ...]
-) -> GrammarCompiler | None:
-    """The compiler of formats (structured output) over the drafter's token ids, or None (with a warning) when
-    no tokenizer can be loaded: sequences with a format are then not drafted."""
-    return load_compiler(tokenizer_source, vocab_size, eos_token_ids, "sequences with a format are not drafted")
-
-
-def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
-    """Load the draft model (kind draft-model) or make an n-gram drafter."""
-    if config.kind == "ngram":
-        from proposer_service.ngram import NgramDrafter
-        from shared.model.build import read_arch
-        from shared.settings import default_target_model
-
-        info = ProposerInfo("ngram", "", 0, "", config.max_k, 0)
-        target = config.target_model or default_target_model()
-        try:
-            arch = read_arch(target)
-            grammar = load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids)
-        except Exception as err:
-            log.warning("no config from %s (%s): sequences with a format are not drafted", target, err)
-            grammar = None
-        return NgramDrafter(config.ngram_max, config.ngram_min, grammar), info
-    if config.kind == "eagle":
-        return build_eagle_drafter(config)
-
-    from proposer_service.draft_model import DraftModelDrafter
-    from shared.kv.block_manager import BlockManager
-    from shared.model.attention import resolve_block_size
-    from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
-    from shared.model.dtype import resolve_dtype
-    from shared.model.info import resolve_device, tokenizer_fingerprint
-    from shared.model.loader import load_model
-    from shared.model.runner import ModelRunner
-    from shared.model.tp_group import check_tensor_parallel
-    from shared.settings import default_draft_model
-
-    name = config.model or default_draft_model()
-    started = time.monotonic()
-    device, tp_size = resolve_device(config.device), config.tensor_parallel_size
-    dtype = resolve_dtype(config.dtype, device, name)
-    log.info("draft dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
-    if tp_size > 1:  # every rank loads its own shard: read only the config here
-        arch = read_arch(name)
-        check_tensor_parallel(arch, tp_size)
-    else:
-        model, arch = load_model(name, dtype, device)
-    max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-    block_size = resolve_block_size(config.block_size, config.attention_backend, device)
-    cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend)
-    num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
-    runner: ModelRunner
-    if tp_size > 1:
-        runner = make_tp_runner(name, arch, num_blocks, cache, tp_size, dtype, device)
-    else:
-        runner = make_runner(model, arch, num_blocks, cache)
-    blocks = BlockManager(num_blocks, block_size, config.enable_prefix_caching)
-    grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)
-    drafter = DraftModelDrafter(runner, blocks, top_n=config.draft_top_n, grammar=grammar)
-    info = ProposerInfo("draft-model", name, arch.vocab_size, tokenizer_fingerprint(name), config.max_k, max_model_len)
-    log.info(
-        "draft model loaded model=%s vocab=%d layers=%d kv_blocks=%d block_size=%d tensor_parallel_size=%d "
-        "seconds=%.1f",
-        name,
-        arch.vocab_size,
-        arch.num_layers,
-        num_blocks,
-        block_size,
-        tp_size,
-        time.monotonic() - started,
-    )
-    return drafter, info
-
-
-def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
-    """The head from its folder and, from the target, only the embedding and LM head tensors."""
-    from proposer_service.eagle import make_eagle_drafter
-    from shared.model.attention import DEFAULT_BLOCK_SIZE
-    from shared.model.info import resolve_device, tokenizer_fingerprint
-    from shared.model.loader import load_embeddings
-    from shared.settings import default_eagle_head, default_target_model
-
-    head_dir, target = config.model or default_eagle_head(), config.target_model or default_target_model()
-    started = time.monotonic()
-    embedding, lm_head, arch = load_embeddings(target)
-    max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-    block_size = config.block_size or DEFAULT_BLOCK_SIZE  # the head's attention is plain torch: no flash pages
-    blocks_per_seq = math.ceil((max_model_len + config.max_k + 1) / block_size)
-    num_blocks = config.num_kv_blocks or config.max_num_seqs * blocks_per_seq
-    drafter = make_eagle_drafter(
-        head_dir,
-        embedding,
-        lm_head,
-        num_blocks,
-        block_size,
-        config.enable_prefix_caching,
-        config.draft_top_n,
-        resolve_device(config.device),
-        # The head drafts the target's token ids: the target's tokenizer names them.
-        load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
-    )
-    info = ProposerInfo(
-        "eagle", head_dir, arch.vocab_size, tokenizer_fingerprint(target), config.max_k, max_model_len, arch.hidden_size
-    )
-    log.info(
-        "eagle head loaded head=%s target=%s draft_vocab=%d kv_blocks=%d seconds=%.1f",
-        head_dir,
-        target,
-        drafter.head.draft_vocab_size,
-        num_blocks,
-        time.monotonic() - started,
-    )
-    return drafter, info
+# ---- serving -----------------------------------------------------------------------------------
 
 
 class ProposerServer(ServiceRuntime):

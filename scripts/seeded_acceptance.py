@@ -52,7 +52,7 @@ def main() -> None:
             print(
                 f"{name:12s} {'seeded' if seeded else 'unseeded':9s} drafted={s.drafted_tokens:5d} "
                 f"accepted={s.accepted_tokens:5d} acceptance={s.acceptance_rate:.3f} "
-                f"mean_accepted_length={s.mean_accepted_length:.2f} seconds={time.perf_counter() - start:.1f}",
+                f"tokens_per_draft_round={s.tokens_per_draft_round:.2f} seconds={time.perf_counter() - start:.1f}",
                 flush=True,
             )
 

@@ -36,10 +36,24 @@ class DraftRequest:
 
 @dataclass(frozen=True)
 class SparseProbs:
-    """The distribution each draft token was sampled from, as its support: ids and probabilities."""
+    """Draft distributions as their supports: the ids and probabilities a truncating drafter sampled from.
+    One draft's are [k, n] (rows sum to 1); the verifier batches rows as [batch, k_max, n]. Duplicate ids add
+    up; entries with probability 0 are padding and may carry any id."""
 
-    token_ids: torch.Tensor  # [k, n] int64
-    probs: torch.Tensor  # [k, n] fp32, rows sum to 1
+    token_ids: torch.Tensor  # [..., n] int64
+    probs: torch.Tensor  # [..., n] fp32
+
+    def check(self, vocab_size: int) -> None:
+        """ValueError for an out-of-vocabulary id with positive probability (dropping its mass would make the
+        verification inexact). Call it on the CPU tensors a proposer sent: on a device it would synchronise."""
+        if self.token_ids.shape != self.probs.shape:
+            raise ValueError(f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} differ")
+        in_vocab = (self.token_ids >= 0) & (self.token_ids < vocab_size)
+        if bool(((~in_vocab) & (self.probs != 0)).any()):
+            raise ValueError(f"sparse draft ids outside [0, {vocab_size}) carry nonzero probability")
+
+    def to(self, device: torch.device | str) -> SparseProbs:
+        return SparseProbs(self.token_ids.to(device), self.probs.to(device, torch.float32))
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.malloc_tuning import tune_malloc
 from shared.model.attention import SeqSpan, build_metadata
-from shared.model.build import CacheConfig, make_runner
+from shared.model.build import CacheConfig, default_num_blocks, make_runner
 from shared.model.config import ModelArch
 from shared.model.eagle import EagleHead
 from shared.model.llama import LlamaModel
@@ -64,7 +64,6 @@ from specdec_bench.memory import PeakRSS, max_rss
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
 from specdec_bench.report import load_average, run_meta, write_report
 from specdec_local.builder import build_engine, make_draft_model_drafter
-from verifier_service.builder import engine_num_blocks
 from verifier_service.engine import Engine, EngineConfig
 
 NUM_THREADS = 2
@@ -238,7 +237,8 @@ def make_eagle_engine_drafter(head: EagleHead, config: EngineConfig):
     """The head loaded once, a fresh head KV cache per engine."""
     from proposer_service.eagle import drafter_for_head
 
-    return drafter_for_head(head, engine_num_blocks(config, CacheConfig()))
+    sizing = (config.max_num_seqs, config.max_model_len, config.num_speculative_tokens)
+    return drafter_for_head(head, default_num_blocks(*sizing, CacheConfig()))
 
 
 def build(models: Models, cfg: Config) -> Engine:

@@ -31,7 +31,7 @@ from shared.model.runner import ForwardItem
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.settings import default_target_model
 from specdec_bench.prompts import GENERAL_PROMPTS
-from verifier_service.rejection_sampler import SparseDraftProbs, greedy_verify, rejection_sample
+from verifier_service.rejection_sampler import greedy_verify, rejection_sample
 
 BATCH, K, TOP_N = 8, 4, 64
 SETTINGS = {
@@ -107,7 +107,7 @@ def verify_calls(logits: torch.Tensor, params: SamplingParams, before_sampling, 
     # Greedy requests get greedy (one-hot) drafts in the engine; sampled ones the draft's top-64 support.
     ids, drafts = sparse_drafts(logits, params if not params.is_greedy else SamplingParams(temperature=1.0))
     token_ids = torch.stack([d.probs.token_ids for d in drafts if d.probs is not None])
-    sparse = SparseDraftProbs(token_ids, torch.stack([d.probs.probs for d in drafts if d.probs is not None]))
+    sparse = SparseProbs(token_ids, torch.stack([d.probs.probs for d in drafts if d.probs is not None]))
 
     def after() -> None:
         probs = logits_to_probs(flat, **tensors).view(BATCH, K + 1, vocab)

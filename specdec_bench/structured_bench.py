@@ -105,11 +105,12 @@ def make_engine(row: str, target, draft, tokenizer, max_num_seqs: int):
 
 
 class MaskClock:
-    """Adds up the engine's mask work and the verifier's wait for it (wraps two engine methods)."""
+    """Adds up the engine's mask work and the verifier's wait for it (wraps two methods of its GrammarMasks)."""
 
     def __init__(self, engine) -> None:
         self.compute_s = self.wait_s = 0.0
-        compute, finish = engine._compute_masks, engine._finish_masks
+        masks = engine._masks
+        compute, finish = masks._compute, masks.finish
 
         def timed_compute(rows):
             masks, start, end = compute(rows)
@@ -122,7 +123,7 @@ class MaskClock:
                 self.wait_s += engine.last_masks.waited
             return masks
 
-        engine._compute_masks, engine._finish_masks = timed_compute, timed_finish
+        masks._compute, masks.finish = timed_compute, timed_finish
 
 
 def run_once(engine, clock: MaskClock, batch: list[list[int]], params: SamplingParams) -> dict:

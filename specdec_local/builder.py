@@ -8,23 +8,28 @@ from proposer_service.draft_grammar import DraftGrammar
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.ngram import NgramDrafter
 from shared.drafting import Drafter
-from shared.kv.block_manager import BlockManager
-from shared.model.build import CacheConfig, make_runner
+from shared.model.build import CacheConfig, load_paged_model
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.loader import check_same_vocabulary, load_model
-from verifier_service.builder import assemble_engine, closing_on_failure, engine_num_blocks, load_target
+from verifier_service.builder import closing_on_failure, engine_on, load_target
 from verifier_service.engine import Engine, EngineConfig
 
 
 def make_draft_model_drafter(
     model: LlamaModel, arch: ModelArch, config: EngineConfig, cache: CacheConfig, top_n: int = 64
 ) -> DraftModelDrafter:
-    arch.check_context_length(config.max_model_len, "the draft model")
-    num_blocks = engine_num_blocks(config, CacheConfig(cache.block_size, None, cache.attention_backend))
-    runner = make_runner(model, arch, num_blocks, cache)
-    blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
-    return DraftModelDrafter(runner, blocks, top_n=top_n)
+    """A draft model over its own cache, sized as the engine's (`config`; `cache.num_blocks` is the target's)."""
+    draft_cache = CacheConfig(cache.block_size, None, cache.attention_backend, cache.enable_prefix_caching)
+    paged = load_paged_model(
+        (model, arch),
+        config.max_num_seqs,
+        config.max_model_len,
+        config.num_speculative_tokens,
+        draft_cache,
+        role="the draft model",
+    )
+    return DraftModelDrafter(paged.runner, paged.blocks, top_n=top_n)
 
 
 def enable_structured_output(engine: Engine, tokenizer) -> None:
@@ -50,12 +55,12 @@ def build_engine(
     service, which has its own --tensor-parallel-size."""
     config = config or EngineConfig()
     cache = cache or CacheConfig()
-    runner, arch = load_target(target, config, cache, dtype, device, tensor_parallel_size)
-    with closing_on_failure(runner):
+    paged = load_target(target, config, cache, dtype, device, tensor_parallel_size)
+    with closing_on_failure(paged.runner):
         if drafter == "ngram":
             drafter = NgramDrafter()
         elif isinstance(drafter, str):
             draft_model, draft_arch = load_model(drafter, dtype, device)
-            check_same_vocabulary(arch, draft_arch, str(target), drafter)
+            check_same_vocabulary(paged.arch, draft_arch, str(target), drafter)
             drafter = make_draft_model_drafter(draft_model, draft_arch, config, cache)
-        return assemble_engine(runner, arch, drafter, config, cache)
+        return engine_on(paged, drafter, config)

@@ -1,4 +1,4 @@
-"""Assemble an engine from a target model and a given drafter: load weights, size the caches.
+"""Assemble an engine from a target model and a given drafter: the target over its paged cache, then the engine.
 
 The drafter comes from outside: the server passes a RemoteProposer; in-process drafters (n-gram, a local
 draft model) are chosen by specdec_local.builder, so this service never imports the proposer's code.
@@ -7,23 +7,23 @@ draft model) are chosen by specdec_local.builder, so this service never imports 
 from __future__ import annotations
 
 import contextlib
+import logging
+import time
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
 from shared.drafting import Drafter
-from shared.kv.block_manager import BlockManager
-from shared.model.build import CacheConfig, default_num_blocks, make_runner, make_tp_runner, read_arch
+from shared.model.build import CacheConfig, PagedModel, load_paged_model
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
-from shared.model.loader import load_model
 from shared.model.runner import ModelRunner
 from shared.model.tp_group import TPModelRunner
-from verifier_service.engine import Engine, EngineConfig
+from verifier_service.config import EngineConfig, VerifierConfig
+from verifier_service.engine import Engine
 
-
-def engine_num_blocks(config: EngineConfig, cache: CacheConfig) -> int:
-    return default_num_blocks(config.max_num_seqs, config.max_model_len, config.num_speculative_tokens, cache)
+log = logging.getLogger("specdec.verifier")
 
 
 def load_target(
@@ -33,21 +33,18 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
-) -> tuple[ModelRunner, ModelArch]:
-    """The target's runner over a cache sized for `config`. At `tensor_parallel_size` > 1 the target must be a
-    name or path: every rank loads its own shard."""
-    num_blocks = engine_num_blocks(config, cache)
-    if tensor_parallel_size > 1:
-        if not isinstance(target, str):
-            raise ValueError(
-                "a tensor-parallel target is loaded by every rank from its checkpoint: pass its name or path"
-            )
-        arch = read_arch(target)
-        arch.check_context_length(config.max_model_len, "the target")
-        return make_tp_runner(target, arch, num_blocks, cache, tensor_parallel_size, dtype, device), arch
-    model, arch = load_model(target, dtype, device) if isinstance(target, str) else target
-    arch.check_context_length(config.max_model_len, "the target")
-    return make_runner(model, arch, num_blocks, cache), arch
+) -> PagedModel:
+    """The target over a cache sized for `config` (its context clamped to the model's)."""
+    return load_paged_model(
+        target,
+        config.max_num_seqs,
+        config.max_model_len,
+        config.num_speculative_tokens,
+        cache,
+        dtype,
+        device,
+        tensor_parallel_size,
+    )
 
 
 @contextlib.contextmanager
@@ -61,11 +58,10 @@ def closing_on_failure(runner: ModelRunner) -> Iterator[None]:
         raise
 
 
-def assemble_engine(
-    runner: ModelRunner, arch: ModelArch, drafter: Drafter | None, config: EngineConfig, cache: CacheConfig
-) -> Engine:
-    blocks = BlockManager(engine_num_blocks(config, cache), cache.block_size, cache.enable_prefix_caching)
-    return Engine(config, runner, blocks, drafter, arch.eos_token_ids)
+def engine_on(target: PagedModel, drafter: Drafter | None, config: EngineConfig) -> Engine:
+    """The engine over a loaded target; its context is the one the cache was sized for."""
+    config = replace(config, max_model_len=target.max_model_len)
+    return Engine(config, target.runner, target.blocks, drafter, target.arch.eos_token_ids)
 
 
 def build_engine(
@@ -78,7 +74,42 @@ def build_engine(
     tensor_parallel_size: int = 1,
 ) -> Engine:
     config = config or EngineConfig()
-    cache = cache or CacheConfig()
-    runner, arch = load_target(target, config, cache, dtype, device, tensor_parallel_size)
-    with closing_on_failure(runner):
-        return assemble_engine(runner, arch, drafter, config, cache)
+    paged = load_target(target, config, cache or CacheConfig(), dtype, device, tensor_parallel_size)
+    with closing_on_failure(paged.runner):
+        return engine_on(paged, drafter, config)
+
+
+def build_service_engine(
+    config: VerifierConfig, name: str, target: tuple[LlamaModel, ModelArch] | None, drafter: Drafter | None
+) -> Engine:
+    """The verifier service's engine from its flags: the target `name` (or `target`, already loaded, at TP 1) in
+    the flags' dtype on their device, the cache, the warm-up batch, and the compiler of output formats."""
+    from shared.grammar import load_compiler
+    from shared.model.attention import resolve_block_size
+    from shared.model.dtype import resolve_dtype
+    from shared.model.info import resolve_device
+
+    tp_size = config.tensor_parallel_size
+    if tp_size > 1 and target is not None:
+        raise ValueError("at --tensor-parallel-size > 1 every rank loads the target itself: pass no model")
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, device, name)
+    log.info("target dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
+    block_size = resolve_block_size(config.block_size, config.attention_backend, device)
+    cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
+    started = time.monotonic()
+    paged = load_target(target or name, config.engine_config(config.max_model_len), cache, dtype, device, tp_size)
+    log.info(
+        "target model loaded model=%s tensor_parallel_size=%d seconds=%.1f", name, tp_size, time.monotonic() - started
+    )
+    with closing_on_failure(paged.runner):
+        engine = engine_on(paged, drafter, config.engine_config(paged.max_model_len))
+        if config.warm_up:
+            started = time.monotonic()
+            engine.warm_up()
+            log.info("warm-up batch served seconds=%.1f", time.monotonic() - started)
+        # After the weights, not beside them: two threads importing transformers' lazy modules at once can fail.
+        engine.grammar = load_compiler(
+            name, engine.runner.vocab_size, tuple(engine.eos_token_ids), "requests with a format get INVALID_ARGUMENT"
+        )
+    return engine

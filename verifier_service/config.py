@@ -9,6 +9,23 @@ from shared.tls import TLSConfig
 
 
 @dataclass(frozen=True)
+class EngineConfig:
+    """The engine's settings; the defaults here are the service's (VerifierConfig's flags start from them)."""
+
+    num_speculative_tokens: int = 4
+    max_num_seqs: int = 8
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    max_waiting: int = 256
+    # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
+    adaptive_k: bool = True
+    probe_interval: int = 16  # steps between k = 1 probes of sequences the policy keeps at k = 0
+
+
+ENGINE_DEFAULTS = EngineConfig()
+
+
+@dataclass(frozen=True)
 class VerifierConfig(TLSConfig):
     """specdec verifier: owns the target model and its paged KV cache, verifies drafts from a proposer."""
 
@@ -24,10 +41,11 @@ class VerifierConfig(TLSConfig):
         },
     )
     num_speculative_tokens: int = field(
-        default=4, metadata={"help": "draft length k per sequence per step (the largest k when adaptive)"}
+        default=ENGINE_DEFAULTS.num_speculative_tokens,
+        metadata={"help": "draft length k per sequence per step (the largest k when adaptive)"},
     )
     adaptive_k: bool = field(
-        default=True,
+        default=ENGINE_DEFAULTS.adaptive_k,
         metadata={
             "help": "choose k per sequence from its acceptance and the measured draft cost (0 when drafting "
             "does not pay); --no-adaptive-k always drafts num_speculative_tokens"
@@ -38,10 +56,13 @@ class VerifierConfig(TLSConfig):
         metadata={"help": "address to listen on (loopback by default: an internal service; 0.0.0.0 in a pod)"},
     )
     port: int = field(default=50052, metadata={"help": "port to listen on (0: any free port)"})
-    max_num_seqs: int = field(default=8, metadata={"help": "sequences in the running batch"})
-    max_num_batched_tokens: int = field(default=2048, metadata={"help": "tokens fed per engine step"})
+    max_num_seqs: int = field(default=ENGINE_DEFAULTS.max_num_seqs, metadata={"help": "sequences in the running batch"})
+    max_num_batched_tokens: int = field(
+        default=ENGINE_DEFAULTS.max_num_batched_tokens, metadata={"help": "tokens fed per engine step"}
+    )
     max_model_len: int = field(
-        default=2048, metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"}
+        default=ENGINE_DEFAULTS.max_model_len,
+        metadata={"help": "context length: prompt plus generated tokens (clamped to the model's)"},
     )
     block_size: int = field(
         default=0,
@@ -58,7 +79,9 @@ class VerifierConfig(TLSConfig):
             "--no-enable-prefix-caching recomputes every prompt"
         },
     )
-    max_waiting: int = field(default=256, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"})
+    max_waiting: int = field(
+        default=ENGINE_DEFAULTS.max_waiting, metadata={"help": "queued requests beyond which RESOURCE_EXHAUSTED"}
+    )
     warm_up: bool = field(
         default=True,
         metadata={
@@ -112,6 +135,17 @@ class VerifierConfig(TLSConfig):
             "proposer is on when --tls-ca-file is set"
         },
     )
+
+    def engine_config(self, max_model_len: int) -> EngineConfig:
+        """The engine's settings from these flags; `max_model_len` clamped to the model's."""
+        return EngineConfig(
+            num_speculative_tokens=self.num_speculative_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            max_waiting=self.max_waiting,
+            adaptive_k=self.adaptive_k,
+        )
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -10,53 +10,47 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
 
-from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore, SparseProbs
+from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore
 from shared.errors import InvalidRequestError, QueueFullError
-from shared.grammar import GrammarCompiler, mask_logits_
+from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.runner import ForwardItem, ModelRunner
-from shared.sampling import SamplingParams, logits_to_probs
-from verifier_service.rejection_sampler import SparseDraftProbs, greedy_verify, rejection_sample
-from verifier_service.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from verifier_service.seeded_verify import seeded_verify
+from shared.sampling import SamplingParams
+from verifier_service import grammar_masks
+from verifier_service.config import EngineConfig
+from verifier_service.grammar_masks import GrammarMasks, MaskTiming
+from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
+from verifier_service.verify import ScoredRow, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    num_speculative_tokens: int = 4
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    max_waiting: int = 256
-    # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
-    adaptive_k: bool = True
+class SpeculationRatios:
+    """The ratios of the speculation counters, for every class that holds them (EngineStats, StatsSnapshot)."""
 
-
-@dataclass
-class EngineStats:
-    steps: int = 0
-    sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
-    draft_rounds: int = 0  # sequence steps that scored at least one draft token
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
-    stale_drafts: int = 0
+    sequence_steps: int
+    draft_rounds: int
+    drafted_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int
 
     @property
-    def mean_accepted_length(self) -> float:
-        """Tokens per draft round: 1 + accepted / draft rounds."""
+    def tokens_per_step(self) -> float:
+        """Emitted / sequence steps: tokens per sequence per step, steps that drafted nothing included."""
+        return self.emitted_tokens / self.sequence_steps if self.sequence_steps else 0.0
+
+    @property
+    def tokens_per_draft_round(self) -> float:
+        """1 + accepted / draft rounds: tokens per step among the sequence steps that drafted."""
         return 1.0 + self.accepted_tokens / self.draft_rounds if self.draft_rounds else 1.0
 
     @property
@@ -64,15 +58,15 @@ class EngineStats:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
 
-@dataclass(frozen=True)
-class MaskTiming:
-    """The grammar masks of one step (time.perf_counter values): computed in a worker thread from `start` to
-    `end` while the target scored, and how long verification then `waited` for them."""
-
-    start: float
-    end: float
-    waited: float
-    rows: int  # scored positions masked
+@dataclass
+class EngineStats(SpeculationRatios):
+    steps: int = 0
+    sequence_steps: int = 0  # (sequence, step) pairs that sampled tokens
+    draft_rounds: int = 0  # sequence steps that scored at least one draft token
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
+    stale_drafts: int = 0
 
 
 class StepObserver(Protocol):
@@ -129,17 +123,8 @@ class Engine:
         self.blocks = blocks
         self.drafter = drafter
         self.eos_token_ids = frozenset(eos_token_ids)
-        k = config.num_speculative_tokens if drafter is not None else 0
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
-                max_model_len=config.max_model_len,
-                num_speculative_tokens=k,
-                adaptive_k=config.adaptive_k,
-            ),
-            blocks,
-        )
+        # Without a drafter nothing is drafted: the scheduler reserves no draft slots.
+        self.scheduler = Scheduler(config if drafter is not None else replace(config, num_speculative_tokens=0), blocks)
         self.seqs: dict[str, Sequence] = {}
         self.stats = EngineStats()
         self._arrivals = itertools.count()
@@ -147,14 +132,25 @@ class Engine:
         self.observer: StepObserver | None = None
         # Keep every sequence's target hidden states even without a drafter that reads them (the trainer).
         self.capture_features = False
-        # Structured output (shared/grammar.py): None until enable_structured_output gives a tokenizer.
-        self.grammar: GrammarCompiler | None = None
-        self._mask_worker: ThreadPoolExecutor | None = None
-        self.last_masks: MaskTiming | None = None  # of the last step that masked, for telemetry
+        # Structured output (verifier_service/grammar_masks.py): None until a compiler is set.
+        self._masks: GrammarMasks | None = None
 
     def enable_structured_output(self, tokenizer) -> None:
         """Accept requests with a format; `tokenizer` is the target's (the grammar is matched on its tokens)."""
         self.grammar = GrammarCompiler(tokenizer, self.runner.vocab_size, tuple(self.eos_token_ids))
+
+    @property
+    def grammar(self) -> GrammarCompiler | None:
+        return self._masks.compiler if self._masks is not None else None
+
+    @grammar.setter
+    def grammar(self, compiler: GrammarCompiler | None) -> None:
+        self._masks = GrammarMasks(compiler) if compiler is not None else None
+
+    @property
+    def last_masks(self) -> MaskTiming | None:
+        """The grammar masks of the last step that masked, for telemetry."""
+        return self._masks.last if self._masks is not None else None
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -264,6 +260,7 @@ class Engine:
         return self.capture_features or bool(getattr(self.drafter, "needs_target_features", False))
 
     def step(self) -> list[RequestOutput]:
+        """One speculative step over every running sequence: schedule, propose, score, verify, commit."""
         batch = self.scheduler.schedule()
         if not batch:
             return []
@@ -275,22 +272,41 @@ class Engine:
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
-        masks = self._start_masks(batch, drafts)  # computed while the target scores
-        items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
-        hidden: list[torch.Tensor | None]
-        if self.keeps_features:
-            logits, hidden_states = self.runner.forward_with_hidden(items)  # per sequence [num_tokens, hidden]
-            hidden = list(hidden_states)
-        else:
-            logits, hidden = self.runner.forward(items), [None] * len(items)  # logits: [num_logits, vocab]
+        sampling = [s for s in batch if s.samples]
+        masks = self._masks.start([(s.seq, drafts.get(s.seq.seq_id)) for s in sampling]) if self._masks else None
+        logits, hidden = self._score(batch, drafts)  # the masks are computed meanwhile
         scored = time.perf_counter()
         if not ingesting:  # a prompt's early ingest would count as drafting cost
             self._measure_costs(batch, drafts, proposed - start, scored - proposed)
-        sampling = [(s, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples]
-        emitted = self._verify(sampling, self._finish_masks(masks))
+        rows = [
+            ScoredRow(s.seq, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples
+        ]
+        emitted = verify(rows, self._masks.finish(masks) if self._masks else {}, self.runner.vocab_size)
         verified = time.perf_counter()
         self.stats.steps += 1
-        outputs = []
+        outputs = self._commit_step(batch, rows, emitted, hidden)
+        if observer is not None:
+            observer.step_finished(outputs, start, proposed, scored, verified)
+        return outputs
+
+    def _score(
+        self, batch: list[ScheduledSeq], drafts: dict[str, Draft]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """ONE forward over every sequence's fed tokens and drafts: per sequence its logits [num_logits, vocab]
+        and, when features are kept, its final hidden states [num_tokens, hidden]."""
+        items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
+        if self.keeps_features:
+            logits, hidden_states = self.runner.forward_with_hidden(items)
+            return logits, list(hidden_states)
+        return self.runner.forward(items), [None] * len(items)
+
+    def _commit_step(
+        self,
+        batch: list[ScheduledSeq],
+        rows: list[ScoredRow],
+        emitted: list[list[int] | str],
+        hidden: list[torch.Tensor | None],
+    ) -> list[RequestOutput]:
         sampled_hidden = []
         for s, h in zip(batch, hidden, strict=True):
             if s.samples:
@@ -299,7 +315,8 @@ class Engine:
             self._keep_features(s.seq, h, s.num_feed)
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
-        for (s, draft, lg), tokens, h in zip(sampling, emitted, sampled_hidden, strict=True):
+        outputs = []
+        for s, row, tokens, h in zip([s for s in batch if s.samples], rows, emitted, sampled_hidden, strict=True):
             if isinstance(tokens, str):
                 outputs.append(self._fail(s.seq, tokens))
                 continue
@@ -307,11 +324,10 @@ class Engine:
             # Token j of a row was decided at its scored position j (accepted drafts, then the recovered or
             # bonus token), so the raw logits of this one scoring pass give every token's log-probability.
             num_top = s.seq.num_logprobs
-            logprobs = token_logprobs(lg, tokens, num_top) if num_top is not None else None
-            outputs.append(self._commit(s, draft, tokens, logprobs))
-        outputs = [self._advance_grammar(out) for out in outputs]
-        if observer is not None:
-            observer.step_finished(outputs, start, proposed, scored, verified)
+            logprobs = token_logprobs(row.logits, tokens, num_top) if num_top is not None else None
+            out = self._commit(s, row.draft, tokens, logprobs)
+            why = grammar_masks.advance(s.seq, out.new_token_ids) if not out.finished else None
+            outputs.append(out if why is None else self._fail(s.seq, why))
         return outputs
 
     @staticmethod
@@ -371,51 +387,8 @@ class Engine:
                 self.stats.stale_drafts += 1  # built on another prefix: never applied
                 continue
             if draft.token_ids:
-                drafts[draft.seq_id] = _trim(draft, s.k)
+                drafts[draft.seq_id] = trim(draft, s.k)
         return drafts, any(not s.samples for s, _ in scheduled)
-
-    def _start_masks(self, batch: list[ScheduledSeq], drafts: dict[str, Draft]) -> Future | None:
-        """Per constrained sequence that samples this step: the tokens its format allows at each scored position
-        along its draft ([k + 1, words] bitmask), computed in a worker thread. None when no sequence has one."""
-        rows = [(s.seq, drafts.get(s.seq.seq_id)) for s in batch if s.samples and s.seq.grammar is not None]
-        if not rows:
-            return None
-        if self._mask_worker is None:
-            self._mask_worker = ThreadPoolExecutor(1, thread_name_prefix="grammar-mask")
-        return self._mask_worker.submit(self._compute_masks, rows)
-
-    def _compute_masks(self, rows: list[tuple[Sequence, Draft | None]]) -> tuple[dict[str, torch.Tensor], float, float]:
-        start = time.perf_counter()
-        assert self.grammar is not None
-        masks = {}
-        for seq, draft in rows:
-            draft_ids = draft.token_ids if draft is not None else []
-            bitmask = self.grammar.new_bitmask(len(draft_ids) + 1)  # [k + 1, words]
-            assert seq.grammar is not None
-            seq.grammar.fill_masks(draft_ids, bitmask)
-            masks[seq.seq_id] = bitmask
-        return masks, start, time.perf_counter()
-
-    def _finish_masks(self, job: Future | None) -> dict[str, torch.Tensor]:
-        if job is None:
-            return {}
-        wait_start = time.perf_counter()
-        masks, start, end = job.result()
-        rows = sum(m.shape[0] for m in masks.values())
-        self.last_masks = MaskTiming(start, end, time.perf_counter() - wait_start, rows)
-        return masks
-
-    def _advance_grammar(self, out: RequestOutput) -> RequestOutput:
-        """Move a constrained sequence's matcher past its emitted tokens. The masks allowed only such tokens, so
-        a mismatch is an internal fault: that request alone ends."""
-        seq = self.seqs.get(out.request_id)
-        if seq is None or seq.grammar is None or out.finished:
-            return out
-        try:
-            seq.grammar.consume(out.new_token_ids)
-        except InvalidRequestError as err:
-            return self._fail(seq, f"structured output: {err}")
-        return out
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq
@@ -424,89 +397,12 @@ class Engine:
         num_logits = len(draft_ids) + 1 if s.samples else 0
         return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
 
-    def _verify(
-        self, rows: list[tuple[ScheduledSeq, Draft | None, torch.Tensor]], masks: dict[str, torch.Tensor]
-    ) -> list[list[int] | str]:
-        """Per row: the emitted tokens, or why the row failed (its numbers went bad: that row alone ends).
-        `masks`: the allowed tokens of constrained rows at their scored positions, applied to the logits before
-        temperature and truncation, so every rule below samples the plain decoder's masked distribution; a
-        drafted token the format forbids has target probability 0 and is rejected.
-
-        Tensors stay on the model's device; the host reads the bad-row flags and the emitted ids. Greedy rows
-        are verified by comparing ids, sampled rows by rejection sampling over sparse or one-hot drafts (no
-        vocabulary-wide draft tensors), seeded rows by their seeded tokens."""
-        if not rows:
-            return []
-        params = [s.seq.params for s, _, _ in rows]
-        num_drafts = torch.tensor([lg.shape[0] - 1 for _, _, lg in rows], dtype=torch.int64)  # [batch] CPU
-        k_max = int(num_drafts.max())
-        draft_ids = torch.zeros(len(rows), k_max, dtype=torch.int64)  # [batch, k_max] CPU
-        for i, (_, draft, _) in enumerate(rows):
-            if draft is not None and num_drafts[i]:
-                draft_ids[i, : int(num_drafts[i])] = torch.tensor(draft.token_ids, dtype=torch.int64)
-        flat_logits = torch.cat([lg for _, _, lg in rows])  # [sum(k_i + 1), vocab]: no padding rows scored
-        if masks:  # a copy: the raw logits stay as they were for logprobs
-            starts = (torch.cumsum(num_drafts + 1, 0) - (num_drafts + 1)).tolist()
-            for i, (s, _, _) in enumerate(rows):
-                bitmask = masks.get(s.seq.seq_id)
-                if bitmask is not None:
-                    mask_logits_(flat_logits[starts[i] : starts[i] + bitmask.shape[0]], bitmask)
-        flat_probs = self._target_probs(flat_logits, params, num_drafts + 1)
-        target_logits = _pad_rows(flat_logits, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
-        target_probs = _pad_rows(flat_probs, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
-        failures = _bad_rows(target_logits, target_probs, num_drafts)
-        emitted: list[list[int] | str] = [failures.get(i, "") for i in range(len(rows))]
-        live = [i for i in range(len(rows)) if i not in failures]
-        greedy = [i for i in live if params[i].is_greedy]
-        seeded = [i for i in live if params[i].is_seeded]
-        sampled = [i for i in live if not params[i].is_greedy and not params[i].is_seeded]
-        # Seeded rows: the token at each output position is fixed by (seed, position, target_probs).
-        for i in seeded:
-            seq, k = rows[i][0].seq, int(num_drafts[i])
-            seed = seq.params.seed
-            assert seed is not None
-            emitted[i] = seeded_verify(target_probs[i, : k + 1], draft_ids[i, :k].tolist(), seed, seq.output_position)
-        results = []
-        if greedy:
-            index = torch.tensor(greedy)
-            argmax = target_logits[index.to(target_logits.device)].argmax(dim=-1)  # [g, k_max + 1]
-            results.append((greedy, greedy_verify(argmax, draft_ids[index], num_drafts[index])))
-        if sampled:
-            index = torch.tensor(sampled)
-            result = rejection_sample(
-                target_probs[index.to(target_probs.device)], draft_ids[index],
-                _sparse_draft_probs([rows[i][1] for i in sampled], draft_ids[index], self.runner.vocab_size),
-                num_drafts[index], [rows[i][0].seq.generator for i in sampled], check_mass=False,
-            )  # fmt: skip
-            results.append((sampled, result))
-        if results:  # one read of every emitted id
-            tokens = torch.cat([r.output_token_ids for _, r in results]).tolist()
-            for i, row_tokens in zip([i for group, _ in results for i in group], tokens, strict=True):
-                emitted[i] = row_tokens[: row_tokens.index(-1)] if -1 in row_tokens else row_tokens
-        return emitted
-
     def _fail(self, seq: Sequence, why: str) -> RequestOutput:
         """End one sequence alone (ABORT with `error`), its KV blocks freed."""
         self.abort(seq.seq_id)
         out = RequestOutput(seq.seq_id, [], FinishReason.ABORT, prompt_len=len(seq.prompt_ids), error=why)
         out.output_ids = seq.output_ids
         return out
-
-    @staticmethod
-    def _target_probs(
-        flat_logits: torch.Tensor, params: list[SamplingParams], counts: torch.Tensor
-    ) -> torch.Tensor:  # [sum(counts), vocab]
-        """The plain decoder's distribution at every scored position; `counts`: scored positions per row."""
-        per_position = {
-            name: torch.tensor([getattr(p, name) for p in params], dtype=dtype).repeat_interleave(counts)
-            for name, dtype in (
-                ("temperature", torch.float32),
-                ("top_k", torch.int64),
-                ("top_p", torch.float32),
-                ("min_p", torch.float32),
-            )
-        }
-        return logits_to_probs(flat_logits, **per_position)
 
     def _commit(
         self, s: ScheduledSeq, draft: Draft | None, tokens: list[int], logprobs: list[TokenLogprob] | None = None
@@ -566,68 +462,3 @@ class Engine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release([seq.seq_id])
-
-
-def _bad_rows(
-    target_logits: torch.Tensor,  # [batch, k_max + 1, vocab]
-    target_probs: torch.Tensor,  # [batch, k_max + 1, vocab]
-    num_drafts: torch.Tensor,  # [batch]
-) -> dict[int, str]:
-    """Rows whose scored positions have NaN or +inf logits, or probabilities that are not a distribution.
-    Checked on the logits too: argmax over NaN still yields a one-hot 'greedy' row."""
-    failures = {}
-    # NaN and +inf survive a sum (-inf logits are legitimate masks); two reductions, no [.., vocab] masks.
-    logit_sums = target_logits.sum(dim=-1)  # [batch, k_max + 1]
-    mass = target_probs.sum(dim=-1, dtype=torch.float64)  # [batch, k_max + 1]
-    bad = torch.isnan(logit_sums) | (logit_sums == float("inf")) | ~torch.isfinite(mass) | ~(mass > 0)
-    for i in bad.any(dim=-1).nonzero().flatten().tolist():
-        positions = bad[i, : int(num_drafts[i]) + 1].nonzero().flatten().tolist()
-        if positions:
-            failures[i] = (
-                f"the model's probabilities for this request were not finite at {len(positions)} scored "
-                "position(s); the request was ended, other requests are unaffected"
-            )
-    return failures
-
-
-def _pad_rows(flat: torch.Tensor, counts: torch.Tensor, width: int) -> torch.Tensor:
-    """[sum(counts), vocab] -> [len(counts), width, vocab], each row's positions first, zeros after."""
-    if bool((counts == width).all()):
-        return flat.view(len(counts), width, flat.shape[-1])
-    padded = flat.new_zeros(len(counts) * width, flat.shape[-1])
-    index = torch.cat([torch.arange(n) + i * width for i, n in enumerate(counts.tolist())])
-    padded[index.to(flat.device)] = flat
-    return padded.view(len(counts), width, flat.shape[-1])
-
-
-def _sparse_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, vocab: int) -> SparseDraftProbs | None:
-    """The rows' draft distributions as one padded sparse batch [batch, k_max, n] (CPU, checked), or None when
-    every row's drafts are one-hot. A one-hot row is its drafted id with probability 1."""
-    supports = [d.probs for d in drafts if d is not None and d.probs is not None]
-    if not supports:
-        return None
-    batch, k_max = draft_ids.shape
-    n = max(p.token_ids.shape[-1] for p in supports)
-    ids = torch.zeros(batch, k_max, n, dtype=torch.int64)
-    probs = torch.zeros(batch, k_max, n, dtype=torch.float32)
-    ids[:, :, 0] = draft_ids
-    probs[:, :, 0] = 1.0
-    for i, draft in enumerate(drafts):
-        if draft is not None and draft.probs is not None:
-            k, width = draft.probs.token_ids.shape
-            ids[i, :k, :width] = draft.probs.token_ids
-            probs[i, :k, :width] = draft.probs.probs
-            probs[i, :k, width:] = 0.0
-    sparse = SparseDraftProbs(ids, probs)
-    sparse.check(vocab)
-    return sparse
-
-
-def _trim(draft: Draft, k: int) -> Draft:
-    """A drafter may propose fewer tokens than asked, never more: extra ones are cut with their probs."""
-    if len(draft.token_ids) <= k:
-        return draft
-    probs = draft.probs
-    if probs is not None:
-        probs = SparseProbs(probs.token_ids[:k], probs.probs[:k])
-    return Draft(draft.seq_id, draft.committed_len, draft.token_ids[:k], probs)

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from shared.errors import NumericalError, ReaderStalledError, UnavailableError
 from shared.logprobs import TokenLogprob
 from shared.sampling import SamplingParams
-from verifier_service.engine import Engine, RequestOutput
+from verifier_service.engine import Engine, RequestOutput, SpeculationRatios
 from verifier_service.remote_proposer import RemoteProposer
 from verifier_service.sequence import FinishReason
 
@@ -41,8 +41,13 @@ class RequestUsage:
     num_steps: int = 0  # engine steps that emitted tokens for this request
 
     @property
-    def mean_accepted_length(self) -> float:
+    def tokens_per_step(self) -> float:
         return self.completion_tokens / self.num_steps if self.num_steps else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
 
 
 @dataclass(frozen=True)
@@ -62,8 +67,9 @@ class Update:
 
 
 @dataclass(frozen=True)
-class StatsSnapshot:
-    """The fields of the proto EngineStats, plus the proposer fallback counters."""
+class StatsSnapshot(SpeculationRatios):
+    """The engine's counters and gauges at one moment: the proto EngineStats, field for field (its ratios are
+    the properties below; server.stats_to_proto copies every proto field by name)."""
 
     running_requests: int
     waiting_requests: int
@@ -77,8 +83,7 @@ class StatsSnapshot:
     emitted_tokens: int
     steps: int
     sequence_steps: int
-    mean_accepted_length: float  # emitted_tokens / sequence_steps
-    acceptance_rate: float  # accepted_tokens / drafted_tokens
+    draft_rounds: int
     preemptions: int
     proposer_connected: bool
     finished_requests: int
@@ -89,6 +94,11 @@ class StatsSnapshot:
     prefix_cache_query_tokens: int = 0  # prompt tokens of admitted requests
     prefix_cache_hit_tokens: int = 0  # of which served from the prefix cache
     prefix_cache_evictions: int = 0  # cached blocks reused for other content
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Deprecated name of tokens_per_step (the proto keeps filling it)."""
+        return self.tokens_per_step
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -347,8 +357,7 @@ class EngineLoop:
             emitted_tokens=s.emitted_tokens,
             steps=s.steps,
             sequence_steps=s.sequence_steps,
-            mean_accepted_length=s.emitted_tokens / s.sequence_steps if s.sequence_steps else 0.0,
-            acceptance_rate=s.acceptance_rate,
+            draft_rounds=s.draft_rounds,
             preemptions=engine.scheduler.num_preemptions,
             proposer_connected=self.proposer is not None and self.proposer.connected,
             finished_requests=self.finished_requests,

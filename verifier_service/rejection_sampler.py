@@ -26,11 +26,11 @@ never depends on the outcome (the generator state after a step depends on `k_i` 
 
 Draft forms
 -----------
-`draft_probs` comes in three forms, with the same result: dense `[batch, k_max, vocab]`; `SparseDraftProbs`
-(the ids and probabilities a truncating proposer sent, `[batch, k_max, n]`); or None, one-hot drafts from a
-deterministic proposer (greedy, n-gram). The sparse and one-hot forms never build a vocabulary-wide draft
-tensor: the acceptance test reads target and draft probabilities at the drafted ids (a gather), and the
-residual is built for the one position per row where the row stopped. Greedy targets need none of this:
+`draft_probs` is a `SparseProbs` (the ids and probabilities a truncating proposer sent, `[batch, k_max, n]`)
+or None: one-hot drafts from a deterministic proposer (greedy, n-gram). Neither builds a vocabulary-wide
+draft tensor: the acceptance test reads target and draft probabilities at the drafted ids (a gather), and the
+residual is built for the one position per row where the row stopped. A dense distribution is the sparse one
+whose support is the whole vocabulary (the tests use that form). Greedy targets need none of this:
 `greedy_verify` compares ids.
 
 Choices for inputs the theory leaves open
@@ -52,6 +52,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from shared.drafting import SparseProbs
+
 # Residual mass below which the residual is treated as empty. The rejection probability at a
 # position equals the residual mass (both are the total variation distance between target and
 # draft), so below this bound rejection happens with probability ~0 and the fallback changes the
@@ -66,64 +68,10 @@ class RejectionResult:
     num_accepted: Tensor  # [batch] int64
 
 
-@dataclass(frozen=True)
-class SparseDraftProbs:
-    """The draft distributions as their supports. Duplicate ids add up; entries with probability 0 are padding
-    and may carry any id."""
-
-    token_ids: Tensor  # [batch, k_max, n] int64
-    probs: Tensor  # [batch, k_max, n] fp32
-
-    def check(self, vocab_size: int) -> None:
-        """ValueError for an out-of-vocabulary id with positive probability (dropping its mass would make the
-        verification inexact). Call it on the CPU tensors a proposer sent: on a device it would synchronise."""
-        if self.token_ids.shape != self.probs.shape:
-            raise ValueError(f"token_ids {tuple(self.token_ids.shape)} and probs {tuple(self.probs.shape)} differ")
-        in_vocab = (self.token_ids >= 0) & (self.token_ids < vocab_size)
-        if bool(((~in_vocab) & (self.probs != 0)).any()):
-            raise ValueError(f"sparse draft ids outside [0, {vocab_size}) carry nonzero probability")
-
-    def to(self, device: torch.device | str) -> SparseDraftProbs:
-        return SparseDraftProbs(self.token_ids.to(device), self.probs.to(device, torch.float32))
-
-
-def one_hot_draft_probs(draft_token_ids: Tensor, vocab_size: int) -> Tensor:
-    """Dense draft distribution of a greedy (deterministic) proposer.
-
-    Ids outside `[0, vocab_size)` (padding such as -1) give an all-zero row instead of an error,
-    because padding beyond a row's draft count is arbitrary and never read by the sampler.
-    """
-    in_vocab = (draft_token_ids >= 0) & (draft_token_ids < vocab_size)  # [batch, k_max]
-    safe_ids = torch.where(in_vocab, draft_token_ids, torch.zeros_like(draft_token_ids))
-    shape = (*draft_token_ids.shape, vocab_size)
-    dense = torch.zeros(shape, dtype=torch.float32, device=draft_token_ids.device)
-    dense.scatter_(-1, safe_ids.unsqueeze(-1), in_vocab.unsqueeze(-1).float())
-    return dense  # [batch, k_max, vocab]
-
-
-def sparse_to_dense_draft_probs(token_ids: Tensor, probs: Tensor, vocab_size: int) -> Tensor:
-    """Dense draft distribution from the sparse (ids, probs) form a truncated proposer sends.
-
-    `token_ids`, `probs`: [batch, k_max, n]. Duplicate ids add up. Entries with probability 0 are
-    padding and may carry any id; an out-of-vocabulary id with positive probability is an error,
-    since silently dropping its mass would make the verification inexact.
-    """
-    if token_ids.shape != probs.shape:
-        raise ValueError(f"token_ids {tuple(token_ids.shape)} and probs {tuple(probs.shape)} differ in shape")
-    probs = probs.float()
-    in_vocab = (token_ids >= 0) & (token_ids < vocab_size)  # [batch, k_max, n]
-    if bool(((~in_vocab) & (probs != 0)).any()):
-        raise ValueError(f"sparse draft ids outside [0, {vocab_size}) carry nonzero probability")
-    safe_ids = torch.where(in_vocab, token_ids, torch.zeros_like(token_ids))
-    dense = torch.zeros(*token_ids.shape[:-1], vocab_size, dtype=torch.float32, device=probs.device)
-    dense.scatter_add_(-1, safe_ids, torch.where(in_vocab, probs, torch.zeros_like(probs)))
-    return dense  # [batch, k_max, vocab]
-
-
 def rejection_sample(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]; rows beyond k_i + 1 are padding
     draft_token_ids: Tensor,  # [batch, k_max] int64; entries beyond k_i are padding
-    draft_probs: Tensor | SparseDraftProbs | None,  # dense [batch, k_max, vocab], sparse, or None: one-hot
+    draft_probs: SparseProbs | None,  # sparse [batch, k_max, n], or None: one-hot
     num_draft_tokens: Tensor,  # [batch] int64, k_i in [0, k_max]
     generators: list[torch.Generator],  # one CPU generator per row
     check_mass: bool = True,
@@ -137,9 +85,7 @@ def rejection_sample(
     # Upcast so the acceptance ratio and the residual never run in half precision.
     target_probs = target_probs.float()
     device = target_probs.device
-    if isinstance(draft_probs, Tensor):
-        draft_probs = draft_probs.to(device, torch.float32)
-    elif isinstance(draft_probs, SparseDraftProbs):
+    if draft_probs is not None:
         draft_probs = draft_probs.to(device)
     k_max = draft_token_ids.shape[1]
     draft_token_ids = draft_token_ids.to(device)
@@ -186,7 +132,7 @@ def _result(draft_token_ids: Tensor, num_accepted: Tensor, final_token: Tensor) 
 def _check_inputs(
     target_probs: Tensor,
     draft_token_ids: Tensor,
-    draft_probs: Tensor | SparseDraftProbs | None,
+    draft_probs: SparseProbs | None,
     num_draft_tokens: Tensor,
     generators: list[torch.Generator],
 ) -> None:
@@ -196,9 +142,7 @@ def _check_inputs(
     vocab = target_probs.shape[-1]
     if target_probs.shape != (batch, k_max + 1, vocab):
         raise ValueError(f"target_probs {tuple(target_probs.shape)} should be {(batch, k_max + 1, vocab)}")
-    if isinstance(draft_probs, Tensor) and draft_probs.shape != (batch, k_max, vocab):
-        raise ValueError(f"draft_probs {tuple(draft_probs.shape)} should be {(batch, k_max, vocab)}")
-    if isinstance(draft_probs, SparseDraftProbs) and draft_probs.token_ids.shape[:2] != (batch, k_max):
+    if draft_probs is not None and draft_probs.token_ids.shape[:2] != (batch, k_max):
         raise ValueError(f"sparse draft_probs {tuple(draft_probs.token_ids.shape)} should be {(batch, k_max, 'n')}")
     if num_draft_tokens.shape != (batch,):
         raise ValueError(f"num_draft_tokens {tuple(num_draft_tokens.shape)} should be {(batch,)}")
@@ -233,7 +177,7 @@ def _draw_uniforms(
 def _count_accepted(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]
     draft_token_ids: Tensor,  # [batch, k_max]
-    draft_probs: Tensor | SparseDraftProbs | None,
+    draft_probs: SparseProbs | None,
     k: Tensor,  # [batch]
     accept_uniforms: Tensor,  # [batch, k_max] float64
 ) -> Tensor:  # [batch] int64
@@ -251,21 +195,19 @@ def _count_accepted(
     return accepted.long().cumprod(dim=1).sum(dim=1)
 
 
-def _draft_at_draft(draft_probs: Tensor | SparseDraftProbs | None, ids: Tensor) -> Tensor:  # [batch, k_max]
+def _draft_at_draft(draft_probs: SparseProbs | None, ids: Tensor) -> Tensor:  # [batch, k_max]
     """The draft's probability of each drafted id."""
     if draft_probs is None:
         return torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-    if isinstance(draft_probs, SparseDraftProbs):
-        # [batch, k_max, n] -> [batch, k_max]: duplicate ids add up, as in the dense form.
-        matches = draft_probs.token_ids == ids.unsqueeze(-1)
-        return torch.where(matches, draft_probs.probs, torch.zeros_like(draft_probs.probs)).sum(dim=-1)
-    return draft_probs.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    # [batch, k_max, n] -> [batch, k_max]: duplicate ids add up.
+    matches = draft_probs.token_ids == ids.unsqueeze(-1)
+    return torch.where(matches, draft_probs.probs, torch.zeros_like(draft_probs.probs)).sum(dim=-1)
 
 
 def _stop_distribution(
     target_probs: Tensor,  # [batch, k_max + 1, vocab]
     draft_token_ids: Tensor,  # [batch, k_max]
-    draft_probs: Tensor | SparseDraftProbs | None,
+    draft_probs: SparseProbs | None,
     num_accepted: Tensor,  # [batch]
     k: Tensor,  # [batch]
 ) -> Tensor:  # [batch, vocab], unnormalised
@@ -278,21 +220,17 @@ def _stop_distribution(
         return stop_target
     # Meaningless for bonus rows, which the where() below sends to the target.
     stop = num_accepted.clamp(max=k_max - 1)  # [batch]
-    if isinstance(draft_probs, Tensor):
-        residual = stop_target - draft_probs[rows, stop]  # [batch, vocab]
+    if draft_probs is None:  # one-hot: the drafted id loses all its mass
+        ids = draft_token_ids[rows, stop].unsqueeze(1)  # [batch, 1]
+        probs = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
     else:
-        if draft_probs is None:  # one-hot: the drafted id loses all its mass
-            ids = draft_token_ids[rows, stop].unsqueeze(1)  # [batch, 1]
-            probs = torch.ones(ids.shape, dtype=torch.float32, device=ids.device)
-        else:
-            ids, probs = draft_probs.token_ids[rows, stop], draft_probs.probs[rows, stop]  # [batch, n]
-        # Padding entries (probability 0) may carry any id: point them at token 0, where they subtract nothing.
-        vocab = target_probs.shape[-1]
-        real = (ids >= 0) & (ids < vocab) & (probs != 0)
-        ids = torch.where(real, ids, torch.zeros_like(ids))
-        probs = torch.where(real, probs, torch.zeros_like(probs))
-        residual = stop_target.scatter_add(-1, ids, -probs)
-    residual = residual.clamp(min=0)
+        ids, probs = draft_probs.token_ids[rows, stop], draft_probs.probs[rows, stop]  # [batch, n]
+    # Padding entries (probability 0) may carry any id: point them at token 0, where they subtract nothing.
+    vocab = target_probs.shape[-1]
+    real = (ids >= 0) & (ids < vocab) & (probs != 0)
+    ids = torch.where(real, ids, torch.zeros_like(ids))
+    probs = torch.where(real, probs, torch.zeros_like(probs))
+    residual = stop_target.scatter_add(-1, ids, -probs).clamp(min=0)
     residual_mass = residual.sum(dim=-1, dtype=torch.float64)  # [batch]
     # An empty residual means rejection had probability ~0 (see MIN_RESIDUAL_MASS); sampling the
     # target then stays inside its support and avoids normalising a zero vector.

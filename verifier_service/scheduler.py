@@ -20,18 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 
 from shared.kv.block_manager import BlockManager
+from verifier_service.config import EngineConfig
 from verifier_service.sequence import Sequence
 from verifier_service.spec_policy import CostRatio, ScoringCost, best_draft_length
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    max_num_seqs: int = 8
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    num_speculative_tokens: int = 0
-    adaptive_k: bool = False
-    probe_interval: int = 16
 
 
 @dataclass
@@ -58,7 +49,7 @@ class ScheduledSeq:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: EngineConfig, blocks: BlockManager) -> None:
         self.config = config
         self.blocks = blocks
         self.waiting: deque[Sequence] = deque()

@@ -96,51 +96,20 @@ def update_to_proto(update: Update, num_logprobs: int | None = None) -> verifier
     if num_logprobs is not None:
         logprobs_to_proto(update.logprobs or [], num_logprobs, msg.logprobs)
     if update.finished:
-        u = update.usage
-        msg.usage.CopyFrom(
-            common_pb2.Usage(
-                prompt_tokens=u.prompt_tokens,
-                completion_tokens=u.completion_tokens,
-                cached_prompt_tokens=u.cached_prompt_tokens,
-                drafted_tokens=u.drafted_tokens,
-                accepted_tokens=u.accepted_tokens,
-                num_steps=u.num_steps,
-                mean_accepted_length=u.mean_accepted_length,
-            )
-        )
+        msg.usage.CopyFrom(_by_name(common_pb2.Usage, update.usage))
         if update.stop_token_id is not None:
             msg.stop_token_id = update.stop_token_id
     return msg
 
 
 def stats_to_proto(s: StatsSnapshot) -> common_pb2.EngineStats:
-    return common_pb2.EngineStats(
-        running_requests=s.running_requests,
-        waiting_requests=s.waiting_requests,
-        kv_blocks_total=s.kv_blocks_total,
-        kv_blocks_free=s.kv_blocks_free,
-        kv_blocks_used=s.kv_blocks_used,
-        kv_blocks_cached=s.kv_blocks_cached,
-        kv_block_size=s.kv_block_size,
-        drafted_tokens=s.drafted_tokens,
-        accepted_tokens=s.accepted_tokens,
-        emitted_tokens=s.emitted_tokens,
-        steps=s.steps,
-        sequence_steps=s.sequence_steps,
-        mean_accepted_length=s.mean_accepted_length,
-        acceptance_rate=s.acceptance_rate,
-        preemptions=s.preemptions,
-        proposer_connected=s.proposer_connected,
-        finished_requests=s.finished_requests,
-        aborted_requests=s.aborted_requests,
-        prefix_cache_query_tokens=s.prefix_cache_query_tokens,
-        prefix_cache_hit_tokens=s.prefix_cache_hit_tokens,
-        prefix_cache_hit_rate=s.prefix_cache_hit_rate,
-        prefix_cache_evictions=s.prefix_cache_evictions,
-        stale_drafts=s.stale_drafts,
-        invalid_drafts=s.invalid_drafts,
-        proposer_fallback_steps=s.proposer_fallback_steps,
-    )
+    return _by_name(common_pb2.EngineStats, s)
+
+
+def _by_name(message_type, source):
+    """A message whose every field is the source's field or property of the same name (the domain objects
+    RequestUsage and StatsSnapshot hold the protos' fields, so one cannot fall behind the other silently)."""
+    return message_type(**{f.name: getattr(source, f.name) for f in message_type.DESCRIPTOR.fields})
 
 
 # ---- the servicer -------------------------------------------------------------------------------
@@ -314,89 +283,21 @@ class VerifierServer(ServiceRuntime):
         At --tensor-parallel-size N > 1 the target is loaded from `config.model` by N ranks (this process
         is rank 0; see shared/model/tp_group.py), so `target` must not be given. `telemetry`: default from
         the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
-
-        from shared.grammar import load_compiler
-        from shared.model.attention import resolve_block_size
-        from shared.model.build import CacheConfig, read_arch
-        from shared.model.dtype import resolve_dtype
-        from shared.model.info import resolve_device
-        from shared.model.info import tokenizer_fingerprint as fingerprint_of
-        from shared.model.loader import load_model
-        from shared.model.tp_group import check_tensor_parallel
+        from shared.model.build import read_arch
         from shared.settings import default_target_model
-        from verifier_service.builder import build_engine
-        from verifier_service.engine import EngineConfig
+        from verifier_service.builder import build_service_engine
 
         name = model_name or config.model or default_target_model()
-        tp_size = config.tensor_parallel_size
-        device = resolve_device(config.device)
-        dtype = resolve_dtype(config.dtype, device, name)
-        log.info("target dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
-        started = time.monotonic()
-        if tp_size > 1:
-            if target is not None:
-                raise ValueError("at --tensor-parallel-size > 1 every rank loads the target itself: pass no model")
-            arch = await asyncio.to_thread(read_arch, name)
-            check_tensor_parallel(arch, tp_size)  # refuse a model that cannot be split before anything starts
-        else:
-            if target is None:
-                target = await asyncio.to_thread(load_model, name, dtype, device)
-                log.info("target model loaded model=%s seconds=%.1f", name, time.monotonic() - started)
-            arch = target[1]
-        max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-        proposer = None
-        if config.proposer and config.num_speculative_tokens > 0:
-            fingerprint = tokenizer_fingerprint if tokenizer_fingerprint is not None else fingerprint_of(name)
-            proposer = RemoteProposer(
-                config.proposer,
-                vocab_size=arch.vocab_size,
-                hidden_size=arch.hidden_size,
-                tokenizer_fingerprint=fingerprint,
-                timeout_s=config.proposer_timeout_ms / 1000,
-                reconnect_max_s=config.proposer_reconnect_max_s,
-                tls=config.client_tls(config.tls_server_name),
-            )
+        arch = target[1] if target is not None else await asyncio.to_thread(read_arch, name)
+        proposer = remote_proposer(config, arch, name, tokenizer_fingerprint)
+        if proposer is not None:
             await proposer.start()
-        engine_config = EngineConfig(
-            num_speculative_tokens=config.num_speculative_tokens,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            max_waiting=config.max_waiting,
-            adaptive_k=config.adaptive_k,
-        )
-        block_size = resolve_block_size(config.block_size, config.attention_backend, device)
-        cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
-        if tp_size > 1:
-            try:
-                engine = await asyncio.to_thread(
-                    build_engine, name, proposer, engine_config, cache, dtype, device, tp_size
-                )
-            except BaseException:
-                if proposer is not None:
-                    await proposer.close()
-                raise
-            log.info(
-                "target model loaded model=%s tensor_parallel_size=%d seconds=%.1f",
-                name,
-                tp_size,
-                time.monotonic() - started,
-            )
-        else:
-            assert target is not None
-            engine = build_engine(target, proposer, engine_config, cache)
-        if config.warm_up:
-            warm_start = time.monotonic()
-            await asyncio.to_thread(engine.warm_up)
-            log.info("warm-up batch served seconds=%.1f", time.monotonic() - warm_start)
-        # After the weights, not beside them: two threads importing transformers' lazy modules at once can fail.
-        engine.grammar = await asyncio.to_thread(
-            load_compiler,
-            name,
-            engine.runner.vocab_size,
-            tuple(engine.eos_token_ids),
-            "requests with a format get INVALID_ARGUMENT",
-        )
+        try:
+            engine = await asyncio.to_thread(build_service_engine, config, name, target, proposer)
+        except BaseException:
+            if proposer is not None:
+                await proposer.close()
+            raise
         loop = EngineLoop(engine, proposer)
         if telemetry is None:
             telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
@@ -405,7 +306,7 @@ class VerifierServer(ServiceRuntime):
         servicer = VerifierServicer(
             loop,
             model_name=name,
-            max_model_len=max_model_len,
+            max_model_len=engine.config.max_model_len,
             vocab_size=arch.vocab_size,
             default_max_tokens=config.default_max_tokens,
             tensor_parallel_size=config.tensor_parallel_size,
@@ -423,25 +324,29 @@ class VerifierServer(ServiceRuntime):
             raise OSError(f"cannot listen on {config.host}:{config.port}")
         await server.start()
         await set_serving(health, [SERVICE_NAME], True)
-        log.info(
-            "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d "
-            "tensor_parallel_size=%d prefix_caching=%s",
-            config.host,
-            port,
-            name,
-            config.num_speculative_tokens if proposer is not None else 0,
-            ",".join(config.proposer) or "none",
-            engine.blocks.num_blocks,
-            engine.blocks.block_size,
-            max_model_len,
-            tp_size,
-            config.enable_prefix_caching,
-        )
         instance = cls(config, server, servicer, health, port, loop, proposer)
+        instance._log_serving(name)
         instance.telemetry = telemetry
         instance.watch_rank_failures()
         loop.on_dead = instance._engine_loop_died
         return instance
+
+    def _log_serving(self, model_name: str) -> None:
+        config, engine = self.config, self.loop.engine
+        log.info(
+            "verifier serving host=%s port=%d model=%s k=%d proposers=%s kv_blocks=%d block_size=%d max_model_len=%d "
+            "tensor_parallel_size=%d prefix_caching=%s",
+            config.host,
+            self.port,
+            model_name,
+            config.num_speculative_tokens if self.proposer is not None else 0,
+            ",".join(config.proposer) or "none",
+            engine.blocks.num_blocks,
+            engine.blocks.block_size,
+            engine.config.max_model_len,
+            config.tensor_parallel_size,
+            config.enable_prefix_caching,
+        )
 
     def _engine_loop_died(self, err: BaseException) -> None:
         """NOT_SERVING, so that gateways and Kubernetes stop sending requests here (the process stays up for
@@ -482,6 +387,28 @@ class VerifierServer(ServiceRuntime):
             await asyncio.to_thread(self.tp_runner.close)  # "stop" to the other ranks, then wait for them
         await asyncio.to_thread(self.telemetry.shutdown)  # flushes spans still batched for export
         log.info("verifier stopped")
+
+
+def remote_proposer(
+    config: VerifierConfig, target: ModelArch, target_name: str, tokenizer_fingerprint: str | None = None
+) -> RemoteProposer | None:
+    """The drafter the flags name: a stream to the first reachable --proposer (not started), or None (k = 0).
+    `tokenizer_fingerprint`: the target's (None: read from its tokenizer.json)."""
+    if not config.proposer or config.num_speculative_tokens <= 0:
+        return None
+    from shared.model.info import tokenizer_fingerprint as fingerprint_of
+
+    if tokenizer_fingerprint is None:
+        tokenizer_fingerprint = fingerprint_of(target_name)
+    return RemoteProposer(
+        config.proposer,
+        vocab_size=target.vocab_size,
+        hidden_size=target.hidden_size,
+        tokenizer_fingerprint=tokenizer_fingerprint,
+        timeout_s=config.proposer_timeout_ms / 1000,
+        reconnect_max_s=config.proposer_reconnect_max_s,
+        tls=config.client_tls(config.tls_server_name),
+    )
 
 
 async def serve(config: VerifierConfig, on_ready: Callable[[VerifierServer], None] | None = None) -> None:

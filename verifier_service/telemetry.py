@@ -175,9 +175,15 @@ class VerifierTelemetry:
         )
         gauge("specdec_acceptance_rate", "accepted / drafted tokens since start", lambda: stats.acceptance_rate)
         gauge(
-            "specdec_mean_accepted_length",
+            "specdec_tokens_per_draft_round",
             "tokens per draft round since start: 1 + accepted / draft rounds",
-            lambda: stats.mean_accepted_length,
+            lambda: stats.tokens_per_draft_round,
+            "{token}",
+        )
+        gauge(
+            "specdec_mean_accepted_length",
+            "deprecated: the same as specdec_tokens_per_draft_round",
+            lambda: stats.tokens_per_draft_round,
             "{token}",
         )
         meter.create_observable_gauge(

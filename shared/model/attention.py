@@ -34,12 +34,39 @@ SHORT_QUERY = 32
 
 
 @dataclass(frozen=True)
+class TreeSpec:
+    """The last `len(positions)` new tokens of a span are nodes of a token tree. Node i is written at its slot
+    like any new token, but it sees only the keys before `prefix_len` and the slots in `visible[i]` (its
+    ancestors' and its own), and its rotary position is `positions[i]` (prefix length + depth), not its slot."""
+
+    prefix_len: int
+    positions: tuple[int, ...]
+    visible: tuple[tuple[int, ...], ...]  # per node: slot offsets (>= prefix_len) it attends to
+
+
+def tree_of_parents(num_cached: int, num_new: int, parents: list[int]) -> TreeSpec:
+    """The tree of a scored span: its last len(parents) tokens are draft nodes in topological order, node i's
+    parent `parents[i]` (-1: the span's last token before the nodes, the root, at the end of the committed
+    prefix). Node i sits at slot root + 1 + i and position root + depth(i)."""
+    root = num_cached + num_new - len(parents) - 1
+    visible: list[tuple[int, ...]] = []
+    positions = []
+    for i, parent in enumerate(parents):
+        above = visible[parent] if parent >= 0 else ()
+        visible.append((*above, root + 1 + i))
+        positions.append(root + len(visible[-1]))
+    return TreeSpec(root + 1, tuple(positions), tuple(visible))
+
+
+@dataclass(frozen=True)
 class SeqSpan:
-    """One sequence's part of a forward: `num_new` tokens written after `num_cached` cached ones."""
+    """One sequence's part of a forward: `num_new` tokens written after `num_cached` cached ones (causal), the
+    last of them the nodes of `tree` when it is given."""
 
     block_table: list[int]
     num_cached: int
     num_new: int
+    tree: TreeSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -55,6 +82,7 @@ class AttentionMetadata:
     # Set when the step is split into attention calls: (rows of T in the group [t] int64, the group's metadata).
     # The fields above that only attention reads are then empty: the groups carry their own.
     groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
+    has_tree: bool = False  # some query is a tree node: its mask is not causal (a causal-only kernel cannot run it)
     _grouped_masks: dict[int, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -88,6 +116,7 @@ def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device |
     slots, positions = _slots_and_positions(spans, block_size)
     empty = torch.empty(0, dtype=torch.int64, device=device)
     return AttentionMetadata(
+        has_tree=any(span.tree is not None for span in spans),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         block_tables=empty,
@@ -104,20 +133,30 @@ def _slots_and_positions(spans: list[SeqSpan], block_size: int) -> tuple[list[in
     slots: list[int] = []
     positions: list[int] = []
     for span in spans:
-        for pos in range(span.num_cached, span.num_cached + span.num_new):
-            slots.append(span.block_table[pos // block_size] * block_size + pos % block_size)
-            positions.append(pos)
+        offsets = range(span.num_cached, span.num_cached + span.num_new)
+        slots.extend(span.block_table[offset // block_size] * block_size + offset % block_size for offset in offsets)
+        if span.tree is None:
+            positions.extend(offsets)
+        else:  # tree nodes sit at their depth, not at their slot
+            positions.extend(offsets[: span.num_new - len(span.tree.positions)])
+            positions.extend(span.tree.positions)
     return slots, positions
 
 
 def paged_attention(backend, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """q [T, H, D] -> [T, H, D]: one backend call, or one per group of a split step."""
+    """q [T, H, D] -> [T, H, D]: one backend call, or one per group of a split step. A group with tree nodes
+    runs the torch backend whatever `backend` is: flash-attn's paged kernel knows only causal masks."""
     if meta.groups is None:
-        return backend(q, k_cache, v_cache, meta, scale)
+        return _backend_for(backend, meta)(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     for rows, group in meta.groups:
-        out.index_copy_(0, rows, backend(q.index_select(0, rows), k_cache, v_cache, group, scale))
+        call = _backend_for(backend, group)
+        out.index_copy_(0, rows, call(q.index_select(0, rows), k_cache, v_cache, group, scale))
     return out
+
+
+def _backend_for(backend, meta: AttentionMetadata):
+    return _TREE_BACKEND if meta.has_tree and backend.name != _TREE_BACKEND.name else backend
 
 
 def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str) -> AttentionMetadata:
@@ -134,12 +173,19 @@ def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str
             [b * max_query_len + (max_query_len - n) + j for b, n in enumerate(query_lens) for j in range(n)],
             dtype=torch.int64,
         )
-    # Query slot j of sequence b is at position context_len - max_query_len + j; it may attend to keys at
-    # positions <= its own. Padding slots (negative positions) attend to key 0 only so no row is empty (NaN).
+    # Query slot j of sequence b is at slot context_len - max_query_len + j; it may attend to keys at slots
+    # <= its own. Padding slots (negative positions) attend to key 0 only so no row is empty (NaN).
     query_pos = context_lens.unsqueeze(1) - max_query_len + torch.arange(max_query_len).unsqueeze(0)  # [B, Qmax]
     key_pos = torch.arange(max_blocks * block_size)  # [L]
     mask = key_pos.view(1, 1, -1) <= query_pos.clamp(min=0).unsqueeze(-1)  # [B, Qmax, L]
+    for b, span in enumerate(spans):
+        if span.tree is not None:  # the last query slots are the nodes: the prefix, then their own path
+            nodes = mask[b, max_query_len - len(span.tree.positions) :]  # [n, L] (a view)
+            nodes.copy_(key_pos.unsqueeze(0) < span.tree.prefix_len)
+            for node, visible in zip(nodes, span.tree.visible, strict=True):
+                node[list(visible)] = True
     return AttentionMetadata(
+        has_tree=any(span.tree is not None for span in spans),
         slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
         positions=torch.tensor(positions, dtype=torch.int64, device=device),
         block_tables=tables.to(device),
@@ -229,6 +275,8 @@ class FlashPagedAttention:
         return _unpad(out, meta)
 
 
+_TREE_BACKEND = TorchPagedAttention()
+
 DEFAULT_BLOCK_SIZE = 16
 FLASH_BLOCK_SIZE = 256  # flash_attn_with_kvcache's paged KV takes pages of a multiple of 256 tokens
 
@@ -259,7 +307,12 @@ def select_backend(name: str, device: torch.device | str, block_size: int):
             raise ValueError(
                 "attention backend 'flash' needs flash-attn installed, a CUDA device and block_size divisible by 256"
             )
-        log.info("attention backend flash on %s (block_size %d)", device, block_size)
+        log.info(
+            "attention backend flash on %s (block_size %d); steps with token-tree rows run the torch backend "
+            "(flash-attn's paged kernel is causal only)",
+            device,
+            block_size,
+        )
         return FlashPagedAttention()
     raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or flash)")
 

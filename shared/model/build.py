@@ -1,4 +1,6 @@
-"""Model runners and cache sizing, the same for the verifier's target and the proposer's draft model."""
+"""A model over its own paged KV cache, assembled one way for the verifier's target and the proposer's draft
+model (in a service or in-process): weights (or a model already loaded), the cache sized for the batch and
+context, the runner (rank 0's under tensor parallelism) and the pure-Python block manager over the cache."""
 
 from __future__ import annotations
 
@@ -7,10 +9,11 @@ from dataclasses import dataclass
 
 import torch
 
+from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
-from shared.model.loader import ModelSource, load_hf_config
+from shared.model.loader import ModelSource, load_hf_config, load_model
 from shared.model.runner import ModelRunner
 from shared.model.tp_group import (
     RankSpec,
@@ -27,6 +30,52 @@ class CacheConfig:
     num_blocks: int | None = None  # None: room for max_num_seqs full-length sequences
     attention_backend: str = "auto"
     enable_prefix_caching: bool = True  # reuse the K/V of prompt prefixes seen before (block_manager.py)
+
+
+@dataclass(frozen=True)
+class PagedModel:
+    runner: ModelRunner
+    blocks: BlockManager
+    arch: ModelArch
+    max_model_len: int  # the context the cache was sized for: the one asked for, clamped to the model's
+
+
+def load_paged_model(
+    model: str | tuple[LlamaModel, ModelArch],
+    max_num_seqs: int,
+    max_model_len: int,
+    num_speculative_tokens: int,
+    cache: CacheConfig,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    tensor_parallel_size: int = 1,
+    role: str = "the target",
+) -> PagedModel:
+    """`model` (a name or path to load, or a model already loaded) over a cache for `max_num_seqs` sequences of
+    `max_model_len` tokens plus `num_speculative_tokens` draft slots (or `cache.num_blocks`). At
+    `tensor_parallel_size` > 1 it must be a name or path: every rank loads its own shard, and a model that
+    cannot be split is refused before any process starts."""
+    if tensor_parallel_size > 1:
+        if not isinstance(model, str):
+            raise ValueError(
+                f"a tensor-parallel model is loaded by every rank from its checkpoint: pass {role}'s name or path"
+            )
+        arch = read_arch(model)
+        check_tensor_parallel(arch, tensor_parallel_size)
+    else:
+        loaded, arch = load_model(model, dtype, device) if isinstance(model, str) else model
+    max_model_len = min(max_model_len, arch.max_position_embeddings)
+    arch.check_context_length(max_model_len, role)
+    num_blocks = default_num_blocks(max_num_seqs, max_model_len, num_speculative_tokens, cache)
+    runner: ModelRunner
+    if tensor_parallel_size > 1:
+        assert isinstance(model, str)
+        runner = make_tp_runner(model, arch, num_blocks, cache, tensor_parallel_size, dtype, device)
+    else:
+        runner = make_runner(loaded, arch, num_blocks, cache)
+    return PagedModel(
+        runner, BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching), arch, max_model_len
+    )
 
 
 def make_runner(model: LlamaModel, arch: ModelArch, num_blocks: int, cache: CacheConfig) -> ModelRunner:

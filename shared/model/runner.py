@@ -7,19 +7,27 @@ from dataclasses import dataclass
 import torch
 
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, build_metadata, select_backend
+from shared.model.attention import SeqSpan, build_metadata, select_backend, tree_of_parents
 from shared.model.llama import LlamaModel
 
 
 @dataclass(frozen=True)
 class ForwardItem:
     """`token_ids` are written at positions num_cached.. of the sequence whose blocks are `block_table`;
-    logits are returned for the last `num_logits` of them (0 for a prefill chunk that is not the last)."""
+    logits are returned for the last `num_logits` of them (0 for a prefill chunk that is not the last).
+    `tree_parents`: the last len(tree_parents) tokens are a draft tree's nodes, each with its parent's index
+    (-1: the token before the nodes), scored with tree attention (shared/model/attention.py)."""
 
     block_table: list[int]
     num_cached: int
     token_ids: list[int]
     num_logits: int
+    tree_parents: tuple[int, ...] | None = None
+
+    def span(self) -> SeqSpan:
+        num_new = len(self.token_ids)
+        tree = None if self.tree_parents is None else tree_of_parents(self.num_cached, num_new, list(self.tree_parents))
+        return SeqSpan(self.block_table, self.num_cached, num_new, tree)
 
 
 class ModelRunner:
@@ -40,7 +48,7 @@ class ModelRunner:
     def forward_with_hidden(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Logits as `forward`, and per item the final hidden states of all its tokens [len(token_ids), hidden]:
         the features an EAGLE drafter reads, from the same pass that scored them."""
-        spans = [SeqSpan(it.block_table, it.num_cached, len(it.token_ids)) for it in items]
+        spans = [it.span() for it in items]
         meta = build_metadata(spans, self.cache.block_size, self.device)
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, self.cache.layers, meta)  # [T, hidden]

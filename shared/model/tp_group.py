@@ -183,11 +183,14 @@ class Channel:
 
 
 def encode_items(items: list[ForwardItem]) -> list[list[Any]]:
-    return [[it.block_table, it.num_cached, it.token_ids, it.num_logits] for it in items]
+    return [[it.block_table, it.num_cached, it.token_ids, it.num_logits, it.tree_parents] for it in items]
 
 
 def decode_items(rows: list[list[Any]]) -> list[ForwardItem]:
-    return [ForwardItem(table, cached, tokens, num_logits) for table, cached, tokens, num_logits in rows]
+    return [
+        ForwardItem(table, cached, tokens, num_logits, None if tree is None else tuple(tree))
+        for table, cached, tokens, num_logits, tree in rows
+    ]
 
 
 # ---- rank 0's handle ----------------------------------------------------------------------------
@@ -448,6 +451,13 @@ class _BroadcastingCache(KVCache):
         with self.group.lock:
             self.group.send({"op": "copy_blocks", "pairs": [list(p) for p in pairs]})
             self.local.copy_blocks(pairs)
+
+    def copy_slots(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        with self.group.lock:
+            self.group.send({"op": "copy_slots", "pairs": [list(p) for p in pairs]})
+            self.local.copy_slots(pairs)
 
 
 class TPModelRunner(ModelRunner):

@@ -73,7 +73,7 @@ def serve(channel, runner) -> int:
     """The worker loop; returns the exit code."""
     import torch
 
-    from shared.model.attention import SeqSpan, build_metadata
+    from shared.model.attention import build_metadata
     from shared.model.tp_group import decode_items
 
     model, cache, device = runner.model, runner.cache, runner.device
@@ -88,13 +88,15 @@ def serve(channel, runner) -> int:
         try:
             if op == "forward":
                 items = decode_items(message["items"])
-                spans = [SeqSpan(it.block_table, it.num_cached, len(it.token_ids)) for it in items]
+                spans = [it.span() for it in items]
                 meta = build_metadata(spans, cache.block_size, device)
                 input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=device)
                 model(input_ids, cache.layers, meta)  # writes this rank's K/V; hidden states are not needed here
                 steps += 1
             elif op == "copy_blocks":
                 cache.copy_blocks([(src, dst) for src, dst in message["pairs"]])
+            elif op == "copy_slots":
+                cache.copy_slots([(src, dst) for src, dst in message["pairs"]])
             elif op == "stop":
                 log.info("tensor-parallel rank %d stopping after %d steps", channel.rank, steps)
                 return 0

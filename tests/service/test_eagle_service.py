@@ -10,9 +10,10 @@ import grpc
 import pytest
 import torch
 
+from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
 from proposer_service.eagle import make_eagle_drafter
-from proposer_service.server import ProposerInfo, ProposerServer
+from proposer_service.server import ProposerServer
 from shared.kv.cache import KVCache
 from shared.model.eagle import arch_from_config, head_config, init_head_state, save_head
 from shared.model.loader import build_model

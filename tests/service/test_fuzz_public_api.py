@@ -29,7 +29,7 @@ from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 from gateway.config import GatewayConfig
-from gateway.frontend import Frontend, RequestFields
+from gateway.prepare import RequestFields, RequestPreparer
 from gateway.server import start_gateway
 from shared.errors import InvalidRequestError
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -418,7 +418,7 @@ def test_fuzzed_requests_end_with_a_documented_status_and_hurt_no_other_request(
 def test_frontend_refuses_a_request_or_prepares_valid_sampling(tokenizer, fields, vocab, max_model_len):
     """No gRPC: any fields either get InvalidRequestError or a PreparedRequest whose sampling validates (floats as
     Python has them here, not rounded to float32 as the wire would)."""
-    frontend = Frontend(tokenizer, GatewayConfig(**CONFIG))
+    frontend = RequestPreparer(tokenizer, GatewayConfig(**CONFIG))
     req = RequestFields(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
     try:
         frontend.check_fields(req, vocab)

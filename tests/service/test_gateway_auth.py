@@ -140,8 +140,8 @@ def test_missing_wrong_and_revoked_keys_are_refused_before_any_work(tokenizer, t
         fs = await start_recording_fake()
         async with AuthHarness(tokenizer, [fs], api_keys_file=str(path)) as h:
             tokenized: list[str] = []
-            tokenize = h.gateway.servicer.frontend.tokenize
-            h.gateway.servicer.frontend.tokenize = lambda text: (tokenized.append(text), tokenize(text))[1]
+            tokenize = h.gateway.servicer.preparer.tokenize
+            h.gateway.servicer.preparer.tokenize = lambda text: (tokenized.append(text), tokenize(text))[1]
             generate = dict(prompt="Hello there", max_tokens=6)
             complete = gateway_pb2.CompleteRequest(prompt="Hello there", max_tokens=6)
 

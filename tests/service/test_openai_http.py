@@ -26,9 +26,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from gateway.config import GatewayConfig
 from gateway.server import RunningGateway, start_gateway
+from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
 from proposer_service.ngram import NgramDrafter
-from proposer_service.server import ProposerInfo, ProposerServer
+from proposer_service.server import ProposerServer
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from tests.integration.test_logprobs import hf_logprobs
 from verifier_service.config import VerifierConfig

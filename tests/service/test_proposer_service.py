@@ -19,11 +19,13 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from proposer_service.builder import ProposerInfo, build_drafter
 from proposer_service.config import ProposerConfig
 from proposer_service.draft_model import DraftModelDrafter
 from proposer_service.ngram import NgramDrafter
-from proposer_service.server import ProposerInfo, ProposerServer, build_drafter, pack_draft
+from proposer_service.server import ProposerServer
 from shared.config import load_config
+from shared.draft_codec import unpack_draft
 from shared.drafting import Draft, DraftRequest
 from shared.grammar import GrammarCompiler, StructuredOutput, allowed_tokens
 from shared.kv.block_manager import BlockManager
@@ -34,9 +36,8 @@ from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import common_pb2, proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 from specdec_local.builder import make_draft_model_drafter
+from tests.draft_forms import sparse_to_dense_draft_probs
 from verifier_service.engine import EngineConfig
-from verifier_service.rejection_sampler import sparse_to_dense_draft_probs
-from verifier_service.remote_proposer import unpack_draft
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 128
@@ -423,32 +424,6 @@ def test_ngram_kind_drafts_the_continuation():
         stream.call.cancel()
 
     run(with_proposer(body, NgramDrafter(), ProposerInfo("ngram", "", 0, "", 8, 0)))
-
-
-def test_pack_unpack_round_trip_is_exact():
-    probs = torch.tensor([[0.5, 0.25, 0.25, 0.0], [0.1, 0.2, 0.3, 0.4]], dtype=torch.float32)
-    ids = torch.tensor([[7, 3, 9, 0], [1, 2, 3, 4]])
-    from shared.drafting import SparseProbs
-
-    draft = Draft("q", 11, [3, 4], SparseProbs(ids, probs))
-    msg = pack_draft("q", draft)
-    assert list(msg.draft_prob_counts) == [3, 4]
-    back = unpack_draft(proposer_pb2.Draft.FromString(msg.SerializeToString()), VOCAB)
-    assert back.token_ids == [3, 4] and back.committed_len == 11
-    assert back.probs is not None
-    dense = sparse_to_dense_draft_probs(back.probs.token_ids[None], back.probs.probs[None], VOCAB)
-    assert torch.equal(dense, sparse_to_dense_draft_probs(ids[None], probs[None], VOCAB))
-    for bad in (
-        proposer_pb2.Draft(seq_id="q", draft_token_ids=[VOCAB]),
-        proposer_pb2.Draft(
-            seq_id="q", draft_token_ids=[1], draft_prob_token_ids=[2], draft_probs=[1.0], draft_prob_counts=[1]
-        ),  # the drafted token has no probability
-        proposer_pb2.Draft(
-            seq_id="q", draft_token_ids=[1, 2], draft_prob_token_ids=[1], draft_probs=[1.0], draft_prob_counts=[1]
-        ),
-    ):
-        with pytest.raises(ValueError):
-            unpack_draft(bad, VOCAB)
 
 
 def test_config_reads_flags_and_env(monkeypatch):

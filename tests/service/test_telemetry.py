@@ -294,7 +294,8 @@ def check_metrics(stack: Stack, m: dict, results: list) -> None:
     # ... and the identities hold.
     assert 0 < accepted < drafted
     assert emitted == accepted + seq_steps
-    assert value("specdec_mean_accepted_length") == pytest.approx(1 + accepted / rounds)
+    assert value("specdec_tokens_per_draft_round") == pytest.approx(1 + accepted / rounds)
+    assert value("specdec_mean_accepted_length") == value("specdec_tokens_per_draft_round")  # deprecated name
     assert value("specdec_acceptance_rate") == pytest.approx(accepted / drafted)
     k = stack.verifier.loop.engine.config.num_speculative_tokens
     by_pos_drafted = [value("specdec_drafted_tokens_by_position_total", position=str(i)) for i in range(k)]

@@ -17,8 +17,9 @@ from gateway import client as cli
 from gateway import health_probe
 from gateway.config import GatewayConfig
 from gateway.server import start_gateway
+from proposer_service.builder import ProposerInfo
 from proposer_service.ngram import NgramDrafter
-from proposer_service.server import ProposerInfo, ProposerServer
+from proposer_service.server import ProposerServer
 from shared.model.loader import load_tokenizer
 from shared.proto_gen.specdec.v1 import (
     gateway_pb2,

@@ -18,7 +18,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shared.draft_codec import PROB_SUM_TOLERANCE, unpack_draft
 from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc, verifier_pb2_grpc
+from tests.draft_forms import sparse_to_dense_draft_probs
 from tests.service.test_proposer_service import VOCAB
 from tests.service.test_verifier_service import (
     PROMPTS,
@@ -30,8 +32,6 @@ from tests.service.test_verifier_service import (
     start_verifier,
     stats,
 )
-from verifier_service.rejection_sampler import sparse_to_dense_draft_probs
-from verifier_service.remote_proposer import PROB_SUM_TOLERANCE, unpack_draft
 
 MAX_TOKENS = 24
 

@@ -16,8 +16,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
-from proposer_service.server import ProposerInfo, ProposerServer
+from proposer_service.server import ProposerServer
 from shared.config import load_config
 from shared.model.build import CacheConfig
 from shared.model.loader import build_model
@@ -145,7 +146,8 @@ def test_greedy_over_grpc_with_the_target_as_draft_matches_plain_greedy():
                     assert (u.prompt_tokens, u.completion_tokens) == (len(prompt), 24)
                     assert u.num_steps == len([m for m in messages if m.token_ids]) < 24  # several tokens a step
                     assert u.accepted_tokens >= 0.9 * u.drafted_tokens > 0  # draft == target: (nearly) all accepted
-                    assert math.isclose(u.mean_accepted_length, 24 / u.num_steps)
+                    assert math.isclose(u.tokens_per_step, 24 / u.num_steps)
+                    assert u.mean_accepted_length == u.tokens_per_step  # the deprecated name, still filled
                     # Every message carries the running counts (the gateway's share of a segment cut by a crash).
                     drafted = [m.drafted_tokens for m in messages]
                     assert drafted == sorted(drafted) and drafted[0] < drafted[-1] == u.drafted_tokens
@@ -153,7 +155,10 @@ def test_greedy_over_grpc_with_the_target_as_draft_matches_plain_greedy():
                 s = await stats(stub)
                 assert s.proposer_connected and s.acceptance_rate >= 0.9 and s.drafted_tokens > 0
                 assert s.emitted_tokens == 72 and s.finished_requests == 3 and s.aborted_requests == 0
-                assert math.isclose(s.mean_accepted_length, s.emitted_tokens / s.sequence_steps)
+                assert math.isclose(s.tokens_per_step, s.emitted_tokens / s.sequence_steps)
+                assert s.mean_accepted_length == s.tokens_per_step  # the deprecated name, still filled
+                assert 0 < s.draft_rounds <= s.sequence_steps
+                assert math.isclose(s.tokens_per_draft_round, 1 + s.accepted_tokens / s.draft_rounds)
                 assert s.kv_blocks_free == s.kv_blocks_total and s.kv_blocks_used == 0 and s.kv_block_size == 8
                 info = await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())
                 assert (info.model, info.max_model_len, info.vocab_size, info.tensor_parallel_size) == (

@@ -8,7 +8,7 @@ import pytest
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, StopStringMatcher
-from gateway.frontend import Frontend, RequestFields
+from gateway.prepare import RequestFields, RequestPreparer
 from shared.model.loader import load_tokenizer
 from shared.settings import default_target_model
 
@@ -130,7 +130,7 @@ def test_overlapping_prefixes_hold_back_the_longest_partial_match():
 
 
 def test_output_processor_reports_tokens_up_to_the_stop_string_and_respects_max_tokens(tokenizer):
-    frontend = Frontend(tokenizer, GatewayConfig())
+    frontend = RequestPreparer(tokenizer, GatewayConfig())
     ids = tokenizer.encode("one two three four five six")
     fields = RequestFields(prompt_token_ids=(1, 2, 3), stop=(" four",), max_tokens=100)
     out = frontend.output(frontend.prepare(fields))

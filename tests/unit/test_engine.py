@@ -91,7 +91,7 @@ def test_counters_identities(target, weak_draft):
     s = engine.stats
     assert 0 <= s.accepted_tokens <= s.drafted_tokens
     assert s.emitted_tokens == s.accepted_tokens + s.sequence_steps
-    assert s.mean_accepted_length == pytest.approx(1 + s.accepted_tokens / s.draft_rounds)
+    assert s.tokens_per_draft_round == pytest.approx(1 + s.accepted_tokens / s.draft_rounds)
 
 
 def test_preemption_by_recompute_keeps_greedy_output(target_hf, target, weak_draft):

@@ -1,5 +1,6 @@
-"""The service boundary (DESIGN.md, "Services meet only over gRPC") is enforced by import-linter: the repository
-keeps both contracts of pyproject.toml, and each contract does break when an import crosses the boundary."""
+"""The service boundary (docs/architecture.md: the services meet only over gRPC) and the grpc-free service cores
+are enforced by import-linter: the repository keeps the contracts of pyproject.toml, and each contract does
+break when an import crosses its boundary."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ PACKAGES = (
 )
 SERVICES_CONTRACT = "verifier_service, proposer_service and gateway never import each other"
 SHARED_CONTRACT = "shared imports no service, no composition root, no benchmark"
+CORES_CONTRACT = "the gateway core and the verifier engine import no grpc"
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
@@ -56,6 +58,7 @@ def test_the_repository_keeps_the_import_contracts() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert f"{SERVICES_CONTRACT} KEPT" in result.stdout
     assert f"{SHARED_CONTRACT} KEPT" in result.stdout
+    assert f"{CORES_CONTRACT} KEPT" in result.stdout
 
 
 @pytest.mark.parametrize(
@@ -64,8 +67,10 @@ def test_the_repository_keeps_the_import_contracts() -> None:
         ("verifier_service/engine.py", "import proposer_service.ngram", SERVICES_CONTRACT, SHARED_CONTRACT),
         # The services also break here: every service imports shared.sampling, so each reaches verifier_service.
         ("shared/sampling.py", "import verifier_service", SHARED_CONTRACT, None),
+        ("gateway/core.py", "import grpc", CORES_CONTRACT, SERVICES_CONTRACT),
+        ("verifier_service/engine.py", "import grpc", CORES_CONTRACT, SHARED_CONTRACT),
     ],
-    ids=["verifier-imports-proposer", "shared-imports-verifier"],
+    ids=["verifier-imports-proposer", "shared-imports-verifier", "gateway-core-imports-grpc", "engine-imports-grpc"],
 )
 def test_a_crossing_import_breaks_its_contract(tmp_path, module, injected, broken, kept) -> None:
     repo = copy_of_repository(tmp_path)

@@ -1,5 +1,6 @@
 """The draft forms that never build vocabulary-wide draft tensors: sparse (ids + probs) and one-hot (None)
-drafts give the dense form's result draw for draw, and pass the output-law tests on their own; greedy
+drafts give the dense distribution's result draw for draw (a dense row handed over as a whole-vocabulary
+support), and pass the output-law tests on their own; greedy
 targets verified by id comparison equal rejection sampling of one-hot targets."""
 
 from __future__ import annotations
@@ -7,6 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared.drafting import SparseProbs
+from tests.draft_forms import one_hot_draft_probs, sparse_to_dense_draft_probs
 from tests.unit.test_rejection_sampler import (
     ALPHA,
     NUM_SAMPLES,
@@ -14,15 +17,10 @@ from tests.unit.test_rejection_sampler import (
     make_generators,
     output_law_pvalues,
     random_probs,
+    rejection_sample,
     sample_drafts,
 )
-from verifier_service.rejection_sampler import (
-    SparseDraftProbs,
-    greedy_verify,
-    one_hot_draft_probs,
-    rejection_sample,
-    sparse_to_dense_draft_probs,
-)
+from verifier_service.rejection_sampler import greedy_verify
 
 torch.set_num_threads(2)
 
@@ -51,7 +49,7 @@ def sparse_batch(seed: int, one_hot: bool):
         picks = torch.multinomial(probs.view(-1, 3), 1, generator=gen).view(batch, k_max)
         draft_ids = ids.gather(-1, picks.unsqueeze(-1)).squeeze(-1)
     draft_ids[torch.rand(batch, k_max, generator=gen) < 0.1] = 0  # tokens the draft could not have produced
-    return target, draft_ids, SparseDraftProbs(ids, probs), num_draft, vocab
+    return target, draft_ids, SparseProbs(ids, probs), num_draft, vocab
 
 
 @pytest.mark.parametrize("seed", range(12))
@@ -86,10 +84,10 @@ def test_greedy_verify_equals_rejection_sampling_of_one_hot_targets(seed):
 
 
 def test_out_of_vocabulary_sparse_mass_is_refused():
-    bad = SparseDraftProbs(torch.tensor([[[1, 7]]]), torch.tensor([[[0.5, 0.5]]]))
+    bad = SparseProbs(torch.tensor([[[1, 7]]]), torch.tensor([[[0.5, 0.5]]]))
     with pytest.raises(ValueError, match="outside"):
         bad.check(vocab_size=5)
-    SparseDraftProbs(torch.tensor([[[1, -1]]]), torch.tensor([[[1.0, 0.0]]])).check(vocab_size=5)  # padding is fine
+    SparseProbs(torch.tensor([[[1, -1]]]), torch.tensor([[[1.0, 0.0]]])).check(vocab_size=5)  # padding is fine
 
 
 @pytest.mark.parametrize(("kind", "vocab", "k_max"), [("sparse", 8, 3), ("one_hot", 7, 3)])
@@ -101,7 +99,7 @@ def test_output_law_of_the_sparse_and_one_hot_forms(kind, vocab, k_max):
     draft_ids = sample_drafts(draft, n, gen)
     if kind == "sparse":
         top = draft.topk(3, dim=-1)  # the dense draft is exactly this support
-        form: SparseDraftProbs | None = SparseDraftProbs(top.indices.expand(n, -1, -1), top.values.expand(n, -1, -1))
+        form: SparseProbs | None = SparseProbs(top.indices.expand(n, -1, -1), top.values.expand(n, -1, -1))
     else:
         form = None
     result = rejection_sample(target.expand(n, -1, -1), draft_ids, form, num_draft, make_generators(n, seed))

@@ -7,14 +7,11 @@ import pytest
 import torch
 from scipy import stats
 
+from shared.drafting import SparseProbs
 from shared.sampling import logits_to_probs
-from verifier_service.rejection_sampler import (
-    MIN_RESIDUAL_MASS,
-    RejectionResult,
-    one_hot_draft_probs,
-    rejection_sample,
-    sparse_to_dense_draft_probs,
-)
+from tests.draft_forms import dense_as_sparse, one_hot_draft_probs, sparse_to_dense_draft_probs
+from verifier_service import rejection_sampler
+from verifier_service.rejection_sampler import MIN_RESIDUAL_MASS, RejectionResult
 
 torch.set_num_threads(2)
 
@@ -37,6 +34,14 @@ def one_hot(token: int, vocab: int) -> torch.Tensor:
     row = torch.zeros(vocab)
     row[token] = 1.0
     return row
+
+
+def rejection_sample(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators) -> RejectionResult:
+    """The sampler, with dense draft distributions [batch, k_max, vocab] passed as whole-vocabulary supports."""
+    if isinstance(draft_probs, torch.Tensor):
+        draft_probs = dense_as_sparse(draft_probs)
+    assert draft_probs is None or isinstance(draft_probs, SparseProbs)
+    return rejection_sampler.rejection_sample(target_probs, draft_token_ids, draft_probs, num_draft_tokens, generators)
 
 
 def run(target_probs, draft_token_ids, draft_probs, num_draft_tokens, seed=0) -> RejectionResult:

@@ -1,4 +1,4 @@
-"""Seeded sampling (shared/seeded.py, verifier_service/seeded_verify.py): the token at each output position is a
+"""Seeded sampling (shared/seeded.py, verifier_service/verify.py): the token at each output position is a
 pure function of (seed, position, target distribution), so the text does not depend on drafter, k, batch,
 prefix cache, preemption or failover; and the output law is still exactly the target's."""
 
@@ -21,7 +21,7 @@ from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import ours, tiny_hf_model
 from tests.unit.test_engine import VOCAB, prompts
 from verifier_service.engine import Engine, EngineConfig
-from verifier_service.seeded_verify import seeded_verify
+from verifier_service.verify import seeded_verify
 
 FULL_MATRIX = os.environ.get("SPECDEC_FULL_MATRIX") == "1"
 MAX_TOKENS = 24

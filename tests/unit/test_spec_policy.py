@@ -89,10 +89,11 @@ def test_sequences_at_k0_probe_on_the_same_step():
     sequences together so the drafter runs once per interval rather than on most steps."""
     from shared.kv.block_manager import BlockManager
     from shared.sampling import SamplingParams
-    from verifier_service.scheduler import Scheduler, SchedulerConfig
+    from verifier_service.config import EngineConfig
+    from verifier_service.scheduler import Scheduler
     from verifier_service.sequence import Sequence
 
-    config = SchedulerConfig(num_speculative_tokens=4, adaptive_k=True, probe_interval=4)
+    config = EngineConfig(num_speculative_tokens=4, adaptive_k=True, probe_interval=4)
     scheduler = Scheduler(config, BlockManager(8, 4))
     seqs = [Sequence(f"s{i}", [1, 2, 3], SamplingParams(max_tokens=50), i, tokens=[1, 2, 3]) for i in range(3)]
     for seq in seqs:

@@ -208,7 +208,7 @@ def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, draf
     engine.drafter.top_n = 16
     engine = constrained(engine, compiler, drafts)
     if not mask_drafts:
-        compute = engine._compute_masks
+        compute = engine._masks._compute
 
         def drafts_unmasked(rows):
             masks, start, end = compute(rows)
@@ -216,7 +216,7 @@ def test_sampling_law_under_a_mask(target_hf, target, weak_draft, compiler, draf
                 bitmask[:-1] = -1
             return masks, start, end
 
-        engine._compute_masks = drafts_unmasked
+        engine._masks._compute = drafts_unmasked
     n = 3000 if mask_drafts else 600  # the control fails by far: forbidden tokens are emitted
     counts = first_two_token_counts(engine, n, lambda i: params, VOCAB)
     assert engine.stats.drafted_tokens > 0 and engine.stats.accepted_tokens > 0

@@ -47,7 +47,7 @@ class StructuredOutput(_message.Message):
     def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., grammar: _Optional[str] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "drafted_tokens", "accepted_tokens", "num_steps", "mean_accepted_length")
+    __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens", "drafted_tokens", "accepted_tokens", "num_steps", "mean_accepted_length", "tokens_per_step")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -55,6 +55,7 @@ class Usage(_message.Message):
     ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     cached_prompt_tokens: int
@@ -62,10 +63,11 @@ class Usage(_message.Message):
     accepted_tokens: int
     num_steps: int
     mean_accepted_length: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ...) -> None: ...
+    tokens_per_step: float
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., tokens_per_step: _Optional[float] = ...) -> None: ...
 
 class EngineStats(_message.Message):
-    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "kv_block_size", "drafted_tokens", "accepted_tokens", "emitted_tokens", "steps", "sequence_steps", "mean_accepted_length", "acceptance_rate", "preemptions", "proposer_connected", "finished_requests", "aborted_requests", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evictions", "stale_drafts", "invalid_drafts", "proposer_fallback_steps")
+    __slots__ = ("running_requests", "waiting_requests", "kv_blocks_total", "kv_blocks_free", "kv_blocks_used", "kv_blocks_cached", "kv_block_size", "drafted_tokens", "accepted_tokens", "emitted_tokens", "steps", "sequence_steps", "mean_accepted_length", "acceptance_rate", "preemptions", "proposer_connected", "finished_requests", "aborted_requests", "prefix_cache_query_tokens", "prefix_cache_hit_tokens", "prefix_cache_hit_rate", "prefix_cache_evictions", "stale_drafts", "invalid_drafts", "proposer_fallback_steps", "draft_rounds", "tokens_per_step", "tokens_per_draft_round")
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     KV_BLOCKS_TOTAL_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +93,9 @@ class EngineStats(_message.Message):
     STALE_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     INVALID_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_DRAFT_ROUND_FIELD_NUMBER: _ClassVar[int]
     running_requests: int
     waiting_requests: int
     kv_blocks_total: int
@@ -116,7 +121,10 @@ class EngineStats(_message.Message):
     stale_drafts: int
     invalid_drafts: int
     proposer_fallback_steps: int
-    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., proposer_connected: _Optional[bool] = ..., finished_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evictions: _Optional[int] = ..., stale_drafts: _Optional[int] = ..., invalid_drafts: _Optional[int] = ..., proposer_fallback_steps: _Optional[int] = ...) -> None: ...
+    draft_rounds: int
+    tokens_per_step: float
+    tokens_per_draft_round: float
+    def __init__(self, running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_block_size: _Optional[int] = ..., drafted_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., emitted_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., sequence_steps: _Optional[int] = ..., mean_accepted_length: _Optional[float] = ..., acceptance_rate: _Optional[float] = ..., preemptions: _Optional[int] = ..., proposer_connected: _Optional[bool] = ..., finished_requests: _Optional[int] = ..., aborted_requests: _Optional[int] = ..., prefix_cache_query_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., prefix_cache_evictions: _Optional[int] = ..., stale_drafts: _Optional[int] = ..., invalid_drafts: _Optional[int] = ..., proposer_fallback_steps: _Optional[int] = ..., draft_rounds: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., tokens_per_draft_round: _Optional[float] = ...) -> None: ...
 
 class Logprobs(_message.Message):
     __slots__ = ("token_logprobs", "num_top", "top_token_ids", "top_logprobs")

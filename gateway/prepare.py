@@ -1,21 +1,23 @@
-"""The tokenizer front end: request validation, tokenization, and the per-request output side
-(detokenization, stop strings, token accounting). Pure Python, no grpc: it works on plain values and
-raises `shared.errors.InvalidRequestError` with messages written for a person.
+"""Preparing requests, for both front ends: field validation, tokenization or the chat template, defaults
+resolved into a PreparedRequest (what the verifier is sent), and each request's output processor
+(gateway/output.py). Pure Python, no grpc: it works on plain values and raises
+`shared.errors.InvalidRequestError` with messages written for a person.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from gateway.config import GatewayConfig
 from gateway.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from gateway.format_check import FormatChecker
+from gateway.output import OutputProcessor
 from shared.errors import InvalidRequestError
 from shared.grammar import StructuredOutput
-from shared.logprobs import TokenLogprob, check_top_logprobs
+from shared.logprobs import check_top_logprobs
 from shared.proto_convert import structured_output_from_proto
 from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
@@ -93,7 +95,7 @@ class PreparedRequest:
     tenant: str = ""  # the API key's name ('' = anonymous): verifier and proposer keep cached text per tenant
 
 
-class Frontend:
+class RequestPreparer:
     def __init__(self, tokenizer: Any, config: GatewayConfig) -> None:
         self.tokenizer = tokenizer
         self.config = config
@@ -213,6 +215,23 @@ class Frontend:
             )
         return ids
 
+    def prepare_request(
+        self, req: RequestFields, vocab_size: int | None, request_id: str, tenant: str = ""
+    ) -> PreparedRequest:
+        """Everything a request needs before routing, in one call (the core runs it in a worker thread): the fields
+        checked, the output format compiled (a bad one is refused here, before routing; 1-40 ms, cached), the
+        prompt tokenized or the chat rendered, the defaults resolved; `tenant`: the API key's name."""
+        self.check_fields(req, vocab_size)
+        if req.structured_output is not None:
+            self.formats.check(req.structured_output)
+        if req.messages:
+            prompt_ids = self.render_chat(req.messages)
+        elif req.prompt:
+            prompt_ids = self.tokenize(req.prompt)
+        else:
+            prompt_ids = tuple(req.prompt_token_ids)
+        return dataclasses.replace(self.prepare(req, prompt_ids, request_id), tenant=tenant)
+
     def prepare(
         self, req: RequestFields, prompt_ids: Sequence[int] | None = None, request_id: str = ""
     ) -> PreparedRequest:
@@ -282,58 +301,3 @@ class Frontend:
             StopStringMatcher(prepared.stop),
             prepared.max_tokens,
         )
-
-
-@dataclass
-class Chunk:
-    """What one verifier message turns into for the client."""
-
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    stop_string: str | None = None  # set when a stop string ended the output
-    length_reached: bool = False  # max_tokens reached (a misbehaving verifier's extra tokens are cut)
-    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when the request asked
-
-
-class OutputProcessor:
-    """Per request: the token history (for resuming elsewhere), the text, stop strings, max_tokens."""
-
-    def __init__(self, detok: IncrementalDetokenizer, stops: StopStringMatcher, max_tokens: int) -> None:
-        self._detok = detok
-        self._stops = stops
-        self.max_tokens = max_tokens
-        self.token_ids: list[int] = []  # everything emitted to the client so far
-        self.finished = False
-
-    def add(self, token_ids: Sequence[int]) -> Chunk:
-        """Processes tokens one by one; stops at a stop string or at max_tokens."""
-        chunk = Chunk()
-        for token in token_ids:
-            if self.finished:
-                break
-            self.token_ids.append(token)
-            chunk.token_ids.append(token)
-            text, match = self._stops.feed(self._detok.add(token))
-            if match is not None:
-                chunk.text += match.text
-                chunk.stop_string = match.stop_string
-                self.finished = True
-                break
-            chunk.text += text
-            if len(self.token_ids) >= self.max_tokens:
-                chunk.length_reached = True
-                break
-        return chunk
-
-    def finish(self) -> Chunk:
-        """The held-back text at the end of the output (a stop string may still complete in it)."""
-        chunk = Chunk()
-        if self.finished:
-            return chunk
-        self.finished = True
-        text, match = self._stops.feed(self._detok.flush())
-        if match is not None:
-            chunk.text, chunk.stop_string = match.text, match.stop_string
-            return chunk
-        chunk.text = text + self._stops.flush()
-        return chunk
