@@ -60,6 +60,11 @@ class EagleDrafter(PagedDrafter[_SeqState]):
     def vocab_subset(self) -> torch.Tensor:
         return self.head.vocab_subset
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers the head reads: what an in-process engine keeps for it."""
+        return self.head.feature_layers
+
     # ---- state ----------------------------------------------------------------------------------
 
     def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
@@ -84,7 +89,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             return True
         features = req.features
         # A position's feature exists once the target has read its token; the last committed one is unread.
-        if features.dim() != 2 or features.shape[1] != self.head.arch.hidden_size:
+        if features.dim() != 2 or features.shape[1] != self.head.feature_width:
             return False
         if req.feature_start < 0 or req.feature_start + features.shape[0] > req.committed_len - 1:
             return False
@@ -125,7 +130,8 @@ class EagleDrafter(PagedDrafter[_SeqState]):
     # ---- forwards -------------------------------------------------------------------------------
 
     def _forward(self, rows: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
-        """rows: (seq_id, first position, features [n, hidden], next token ids [n]) -> outputs [n, hidden]."""
+        """rows: (seq_id, first position, head inputs g [n, hidden] (fused real features or the head's own
+        states), next token ids [n]) -> the head's states [n, hidden]."""
         spans = [SeqSpan(self.blocks.block_table(seq_id), start, len(ids)) for seq_id, start, _, ids in rows]
         meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device)
         features = torch.cat([f for _, _, f, _ in rows])  # [T, hidden]
@@ -142,7 +148,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             self._fill(req.seq_id, tokens, min(end, max(state.num_done, state.features.start)))
             real_end = min(end, state.features.end)
             if state.num_done < real_end:
-                feats = state.features.get(state.num_done, real_end)
+                feats = self.head.fuse_features(state.features.get(state.num_done, real_end))  # [n, hidden]
                 batch.append((req.seq_id, state.num_done, feats, tokens[state.num_done + 1 : real_end + 1]))
         for (seq_id, start, _, ids), out in zip(batch, self._forward(batch) if batch else [], strict=True):
             state = self.states[seq_id]

@@ -91,8 +91,21 @@ def _families(rng: random.Random) -> dict[str, tuple[float, int, list[str]]]:
         *_fill("Write a SQL query that {}. Explain each clause.", s.SQL_TASKS),
         *_fill(
             "Explain {} in {} with a short example.",
-            ("loops", "recursion", "classes", "error handling", "closures", "generators", "interfaces",
-             "async functions", "modules", "unit tests", "string formatting", "maps", "regular expressions"),
+            (
+                "loops",
+                "recursion",
+                "classes",
+                "error handling",
+                "closures",
+                "generators",
+                "interfaces",
+                "async functions",
+                "modules",
+                "unit tests",
+                "string formatting",
+                "maps",
+                "regular expressions",
+            ),
             lang,
         ),  # fmt: skip
         *[f"Write a Python function that {t}." for t in first.MORE_CODE + first.CODE_TASKS],

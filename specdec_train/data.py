@@ -49,6 +49,7 @@ class DataConfig:
     max_model_len: int = 2048
     max_new_tokens: int | None = None  # None: each family's own (256..512)
     random_prompts: bool = False  # token-id prompts for a model without a tokenizer (the --quick check)
+    greedy_only: bool = False  # every conversation greedy (the held-out set), not half sampled
 
 
 def prompt_ids(tokenizer, text: str, is_chat: bool, system: str | None = None) -> list[int]:
@@ -58,8 +59,8 @@ def prompt_ids(tokenizer, text: str, is_chat: bool, system: str | None = None) -
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def params_for(index: int, turn: int, max_tokens: int, seed: int) -> SamplingParams:
-    if index % 2 == 0:
+def params_for(index: int, turn: int, max_tokens: int, seed: int, greedy_only: bool = False) -> SamplingParams:
+    if index % 2 == 0 or greedy_only:
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
     return SamplingParams(temperature=0.8, top_p=0.95, seed=seed * 1_000_003 + index * 8 + turn, max_tokens=max_tokens)
 
@@ -81,7 +82,6 @@ class _Generator:
         self.eos = sorted(engine.eos_token_ids)
         self.chatml = tokenizer is not None and "<|im_start|>" in (tokenizer.chat_template or "")
         self.active: dict[str, _Dialog] = {}
-        self.generated_tokens = 0
 
     def first_request(self, dialog: _Dialog) -> None:
         conv = dialog.conv
@@ -102,7 +102,9 @@ class _Generator:
         request_id = f"c{dialog.index}t{dialog.turn}"
         self.active[request_id] = dialog
         self.engine.add_request(
-            request_id, dialog.tokens, params_for(dialog.index, dialog.turn, max_tokens, self.config.seed)
+            request_id,
+            dialog.tokens,
+            params_for(dialog.index, dialog.turn, max_tokens, self.config.seed, self.config.greedy_only),
         )
 
     def finished(self, request_id: str, output_ids: list[int]) -> _Dialog | None:
@@ -110,7 +112,6 @@ class _Generator:
         dialog = self.active.pop(request_id)
         dialog.tokens += output_ids
         dialog.generated += [True] * len(output_ids)
-        self.generated_tokens += len(output_ids)
         dialog.turn += 1
         room = self.config.max_model_len - len(dialog.tokens) - 64
         if dialog.turn < len(dialog.conv.turns) and self.chatml and room > 0:
@@ -121,12 +122,15 @@ class _Generator:
         return dialog
 
 
-def generate(config: DataConfig, target_model=None, progress: bool = True) -> list[Path]:
-    """Write the shards not yet on disk; return every shard's path."""
+def generate(
+    config: DataConfig, target_model=None, progress: bool = True, conversations: list[Conversation] | None = None
+) -> list[Path]:
+    """Write the shards not yet on disk; return every shard's path. `conversations`: these instead of the
+    training set's first `num_conversations`."""
     config.out_dir.mkdir(parents=True, exist_ok=True)
     size = config.shard_size
     # Whole shards only: the set is prefix-stable, so a larger count later keeps every shard already written.
-    convs = conversation_set(config.seed, -(-config.num_conversations // size) * size)
+    convs = conversations or conversation_set(config.seed, -(-config.num_conversations // size) * size)
     shards = [config.out_dir / f"shard-{i:05d}.pt" for i in range((len(convs) + size - 1) // size)]
     todo = [i for i, path in enumerate(shards) if not path.is_file()]
     if not todo:
@@ -137,7 +141,9 @@ def generate(config: DataConfig, target_model=None, progress: bool = True) -> li
         target,
         None,
         EngineConfig(
-            num_speculative_tokens=0, max_num_seqs=config.batch, max_model_len=config.max_model_len,
+            num_speculative_tokens=0,
+            max_num_seqs=config.batch,
+            max_model_len=config.max_model_len,
             max_waiting=1 << 20,
         ),  # fmt: skip
         # Room for the batch at ~768 tokens each; the engine preempts if longer ones need more.
@@ -150,8 +156,10 @@ def generate(config: DataConfig, target_model=None, progress: bool = True) -> li
     bar = tqdm(total=sum(len(r) for r in remaining.values()), desc="conversations", unit="conv", disable=not progress)
     started = time.monotonic()
     _feed(gen, pending, config.batch + 8)
+    decoded = 0  # tokens sampled so far, finished or not: the rate shown
     while engine.has_unfinished():
         for out in engine.step():
+            decoded += len(out.new_token_ids)
             if not out.finished:
                 continue
             if out.error:
@@ -165,10 +173,10 @@ def generate(config: DataConfig, target_model=None, progress: bool = True) -> li
             remaining[shard].discard(dialog.index)
             if not remaining[shard]:
                 _write_shard(shards[shard], done.pop(shard), config)
-                _report(config.out_dir, len(shards) - len(done), len(shards), gen.generated_tokens, started)
+                _report(config.out_dir, len(shards) - len(done), len(shards), decoded, started)
         _feed(gen, pending, config.batch + 8)
-        rate = gen.generated_tokens / max(1e-9, time.monotonic() - started)
-        bar.set_postfix(tok_s=f"{rate:.0f}", tokens=gen.generated_tokens, refresh=False)
+        rate = decoded / max(1e-9, time.monotonic() - started)
+        bar.set_postfix(tok_s=f"{rate:.0f}", tokens=decoded, refresh=False)
     bar.close()
     return shards
 
@@ -209,7 +217,7 @@ def _report(out_dir: Path, shards_done: int, shards_total: int, tokens: int, sta
     state = {
         "shards_done": shards_done,
         "shards_total": shards_total,
-        "generated_tokens_this_run": tokens,
+        "decoded_tokens_this_run": tokens,
         "tokens_per_s_this_run": round(tokens / max(elapsed, 1e-9), 1),
         "elapsed_s_this_run": round(elapsed),
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
@@ -241,7 +249,7 @@ def main(argv: list[str] | None = None) -> None:
     from shared.malloc_tuning import tune_malloc
     from shared.settings import REPO_ROOT, default_target_model
 
-    p = argparse.ArgumentParser(prog="python -m specdec_train.data", description=main.__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m specdec_train.data", description=(main.__doc__ or "").splitlines()[0])
     p.add_argument("--target", default=None)
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "eagle-train")
     p.add_argument("--num-conversations", type=int, default=DEFAULT_CONVERSATIONS)

@@ -6,6 +6,7 @@ conversations.BANNED is the guard that checks every generated prompt against bot
 
 from __future__ import annotations
 
+# fmt: off
 SUBJECTS = (
     # science and nature
     "plate tectonics", "the periodic table", "DNA", "evolution", "gravity", "magnetism", "electricity",
@@ -137,3 +138,4 @@ OPENINGS = (
     "The future of", "How to get started with", "The science behind", "A short introduction to",
     "Everything you need to know about", "Common mistakes with",
 )
+# fmt: on

@@ -229,7 +229,7 @@ class Trainer:
             teacher = torch.softmax(batch.teacher_feats @ self.subset_head.T, dim=-1)  # [N1, draft_vocab]
         first = batch.valid[0]
         total = torch.zeros(())
-        stats = {}
+        stats: dict[str, float] = {}
         for s, out in enumerate(outputs, start=1):
             valid = batch.valid[s - 1]
             rows = valid[first]  # which of step 1's scored positions step s scores
@@ -323,7 +323,9 @@ class Trainer:
         lengths = [int(s["tokens"].shape[0]) for s in samples]
         per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed)))
         started, first_step, seconds_before = time.monotonic(), self.step, self.seconds
-        bar = tqdm(total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else ""))
+        bar = tqdm(
+            total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else "")
+        )
         while self.step < self.planned_steps:
             epoch, skip = divmod(self.step, per_epoch)  # a resumed run continues with the batch it stopped at
             for group in plan_batches(lengths, c.tokens_per_step, random.Random(c.seed * 1000 + epoch))[skip:]:

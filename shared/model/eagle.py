@@ -78,11 +78,19 @@ def feature_layers_of(config: dict[str, Any]) -> tuple[int, ...]:
     return tuple(int(i) for i in config.get("target_feature_layers", FINAL_LAYER))
 
 
-def check_feature_layers(layers: tuple[int, ...], num_target_layers: int) -> None:
+def eagle3_layers(num_target_layers: int) -> tuple[int, ...]:
+    """A low, a middle and a high decoder layer (EAGLE-3's choice: 1, L/2 - 1, L - 4; spread out on a tiny
+    target), read by the trainer's default heads and captured by the verifier's default `--feature-layers`."""
+    if num_target_layers >= 8:
+        return (1, num_target_layers // 2 - 1, num_target_layers - 4)
+    return tuple(dict.fromkeys((0, num_target_layers // 2, num_target_layers - 1)))
+
+
+def check_feature_layers(layers: tuple[int, ...], num_target_layers: int, what: str = "a head") -> None:
     if not layers or len(set(layers)) != len(layers) or not all(-1 <= i < num_target_layers for i in layers):
         raise ValueError(
-            f"target feature layers must be distinct decoder layers in [0, {num_target_layers}) or -1 (the final "
-            f"normed state), got {list(layers)}"
+            f"{what} reads target layers {list(layers)}, but they must be distinct decoder layers of a "
+            f"{num_target_layers}-layer target, in [0, {num_target_layers}), or -1 (the final normed state)"
         )
 
 
