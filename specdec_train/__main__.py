@@ -29,7 +29,7 @@ from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset, plot_losses, subset_coverage, write_card
 from specdec_train.train import TrainConfig, Trainer
 
-DEFAULT_OUT = REPO_ROOT / "models" / "smollm2-135m-eagle3"
+DEFAULT_OUT = REPO_ROOT / "models" / "smollm2-135m-eagle"
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -41,6 +41,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--work-dir", type=Path, default=REPO_ROOT / ".cache" / "eagle-train", help="data and checkpoints")
     p.add_argument("--num-conversations", type=int, default=DEFAULT_CONVERSATIONS, help="conversations to generate")
     p.add_argument("--gen-batch", type=int, default=DataConfig.batch, help="sequences the engine decodes at once")
+    p.add_argument(
+        "--shards-on-disk", action="store_true",
+        help="train on the data shards already written, generating none (python -m specdec_train.data may be "
+        "writing the rest meanwhile)",
+    )  # fmt: skip
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="size of the frequency-ranked subset")
     p.add_argument("--num-layers", type=int, default=1, help="decoder layers in the head")
     p.add_argument(
@@ -95,14 +100,18 @@ def main(argv: list[str] | None = None) -> None:
         args.tokens_per_step, args.max_len, args.eval_tokens, args.time_budget_min = 160, 32, 16, 0
         args.steps = 6 if args.steps == TrainConfig.steps else args.steps
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
-    given = _without(list(argv if argv is not None else sys.argv[1:]), ("--steps", "--time-budget-min", "--resume"))
+    given = _without(
+        list(argv if argv is not None else sys.argv[1:]),
+        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk"),
+    )
 
     target_model = load_model(target)
     data = DataConfig(
         target, args.work_dir / "data", args.num_conversations, args.gen_batch, seed=args.seed,
         random_prompts=args.quick, max_new_tokens=24 if args.quick else None, shard_size=8 if args.quick else 128,
     )  # fmt: skip
-    samples = load_samples(generate(data, target_model))
+    shards = sorted(data.out_dir.glob("shard-*.pt")) if args.shards_on_disk else generate(data, target_model)
+    samples = load_samples(shards)
     embedding, lm_head, target_arch = load_embeddings(target)
     layers = feature_layers(args.feature_layers, target_arch.num_layers)
     subset = frequency_subset(samples, target_arch.vocab_size, args.draft_vocab_size, target_arch.eos_token_ids)
@@ -167,11 +176,18 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
         seed=args.seed, steps=trainer.step, tokens_per_step=c.tokens_per_step, max_len=c.max_len, lr=c.lr,
         reg_note=f" + {c.reg_weight} x smooth-L1(feature)" if c.reg_weight else "", unroll=c.unroll,
         step_decay=c.step_decay, train_minutes=trainer.seconds / 60,
-        machine=f"{platform.machine()}, {torch.get_num_threads()} thread(s)", sittings="", top1=top1,
+        machine=f"{platform.machine()}, {torch.get_num_threads()} thread(s)", sittings=_sittings(trainer), top1=top1,
         best_step=trainer.best[1] if trainer.best else trainer.step, eval_k=args.eval_k,
         heldout=chain.mean_accepted_length, heldout_per_position=" / ".join(f"{p:.2f}" for p in chain.per_position),
         num_heldout=len(held_out_conversations()), eval_tokens=args.eval_tokens, evaluation=evaluation,
     )  # fmt: skip
+
+
+def _sittings(trainer: Trainer) -> str:
+    if len(trainer.sittings) < 2:
+        return ""
+    parts = [f"steps {s['from_step']}-{s['to_step']} on {s['started']} ({s['minutes']} min)" for s in trainer.sittings]
+    return f", in {len(parts)} sittings (`--resume`): " + "; ".join(parts)
 
 
 def _with_state(trainer: Trainer, state: dict[str, torch.Tensor]) -> Trainer:
@@ -189,7 +205,7 @@ def _without(args: list[str], flags: tuple[str, ...]) -> list[str]:
         if skip:
             skip = False
         elif arg in flags:
-            skip = arg != "--resume"  # the only flag here without a value
+            skip = arg not in ("--resume", "--shards-on-disk")  # the flags here without a value
         elif not arg.startswith(tuple(f + "=" for f in flags)):
             kept.append(arg)
     return kept

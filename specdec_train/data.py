@@ -50,6 +50,7 @@ class DataConfig:
     max_new_tokens: int | None = None  # None: each family's own (256..512)
     random_prompts: bool = False  # token-id prompts for a model without a tokenizer (the --quick check)
     greedy_only: bool = False  # every conversation greedy (the held-out set), not half sampled
+    reverse: bool = False  # missing shards last to first: a second process meets a first one in the middle
 
 
 def prompt_ids(tokenizer, text: str, is_chat: bool, system: str | None = None) -> list[int]:
@@ -132,7 +133,7 @@ def generate(
     # Whole shards only: the set is prefix-stable, so a larger count later keeps every shard already written.
     convs = conversations or conversation_set(config.seed, -(-config.num_conversations // size) * size)
     shards = [config.out_dir / f"shard-{i:05d}.pt" for i in range((len(convs) + size - 1) // size)]
-    todo = [i for i, path in enumerate(shards) if not path.is_file()]
+    todo = [i for i, path in enumerate(shards) if not path.is_file()][:: -1 if config.reverse else 1]
     if not todo:
         return shards
     target = target_model or load_model(config.target)
@@ -256,13 +257,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=DataConfig.batch)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: see DataConfig.batch)")
+    p.add_argument(
+        "--reverse", action="store_true",
+        help="missing shards from the last: a second process on the other core, meeting the first in the middle",
+    )  # fmt: skip
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     tune_malloc()
     torch.set_num_threads(args.threads)
     config = DataConfig(
         args.target or default_target_model(), args.work_dir / "data", args.num_conversations, args.batch,
-        seed=args.seed,
+        seed=args.seed, reverse=args.reverse,
     )  # fmt: skip
     paths = generate(config)
     samples = load_samples(paths)

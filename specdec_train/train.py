@@ -40,7 +40,7 @@ class TrainConfig:
     max_len: int = 512  # head positions per window (the head attends within its window)
     lr: float = 1e-3
     warmup: int = 50
-    unroll: int = 5  # training-time-test steps (1 = EAGLE-1 training)
+    unroll: int = 4  # training-time-test steps (1 = EAGLE-1 training); 4 = every position of a k = 4 chain
     step_decay: float = 0.8  # loss weight of step s: step_decay ** (s - 1)
     reg_weight: float = 0.0  # feature regression (EAGLE-1's loss); EAGLE-3 trains on tokens alone
     checkpoint_every: int = 50
@@ -207,6 +207,7 @@ class Trainer:
         self.history: list[dict[str, float]] = []
         self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (held-out measure, step, weights)
         self.seconds = 0.0  # training time over every sitting
+        self.sittings: list[dict[str, float]] = []  # per sitting: first and last step, minutes, when
 
     def lr_at(self, step: int) -> float:
         c = self.config
@@ -271,6 +272,7 @@ class Trainer:
                 "history": self.history,
                 "best": self.best,
                 "seconds": self.seconds,
+                "sittings": self.sittings,
                 "config": asdict(self.config),
                 "feature_layers": list(self.feature_layers),
             },
@@ -295,7 +297,7 @@ class Trainer:
                 self.state[name].copy_(value)
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.step, self.history, self.planned_steps = ckpt["step"], ckpt["history"], ckpt["planned_steps"]
-        self.best, self.seconds = ckpt["best"], ckpt.get("seconds", 0.0)
+        self.best, self.seconds, self.sittings = ckpt["best"], ckpt.get("seconds", 0.0), ckpt.get("sittings", [])
         if extend_to is not None:
             self.planned_steps = max(self.planned_steps, extend_to)
         return True
@@ -323,6 +325,14 @@ class Trainer:
         lengths = [int(s["tokens"].shape[0]) for s in samples]
         per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed)))
         started, first_step, seconds_before = time.monotonic(), self.step, self.seconds
+        sitting = {
+            "from_step": self.step,
+            "to_step": self.step,
+            "minutes": 0.0,
+            "started": time.strftime("%Y-%m-%d %H:%M"),
+        }
+        if self.step < self.planned_steps:
+            self.sittings.append(sitting)
         bar = tqdm(
             total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else "")
         )
@@ -339,6 +349,7 @@ class Trainer:
                 bar.update(1)
                 spent = time.monotonic() - started
                 self.seconds = seconds_before + spent
+                sitting["to_step"], sitting["minutes"] = self.step, round(spent / 60, 1)
                 best = f"{self.best[0]:.3f}" if self.best else "-"
                 bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", heldout=best)
                 if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
