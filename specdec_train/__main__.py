@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     samples = load_samples(shards)
     embedding, lm_head, target_arch = load_embeddings(target)
     layers = feature_layers(args.feature_layers, target_arch.num_layers)
-    subset = frequency_subset(samples, target_arch.vocab_size, args.draft_vocab_size, target_arch.eos_token_ids)
+    subset = _vocab_subset(args, samples, target_arch)
     config = head_config(target_arch, args.num_layers, len(subset), layers, target_model=Path(target).name)
     train_config = TrainConfig(
         steps=args.steps, tokens_per_step=args.tokens_per_step, max_len=args.max_len, lr=args.lr, unroll=args.unroll,
@@ -147,6 +147,17 @@ def main(argv: list[str] | None = None) -> None:
         evaluation = format_results(evaluate(args.out, target, target_model, args.eval_tokens, args.quick))
     _write_card(args, target, config, samples, subset, trainer, heldout, command, evaluation)
     print(f"head written to {args.out}\n{evaluation}")
+
+
+def _vocab_subset(args: argparse.Namespace, samples: list[dict], target_arch) -> torch.Tensor:
+    """The frequency-ranked subset, fixed by the first sitting of a run: the data may grow between sittings
+    (--shards-on-disk), and a resumed head must keep the ids its LM head rows were trained for."""
+    path = args.work_dir / f"vocab-subset-seed{args.seed}-{args.draft_vocab_size}.pt"
+    if path.is_file():
+        return torch.load(path)
+    subset = frequency_subset(samples, target_arch.vocab_size, args.draft_vocab_size, target_arch.eos_token_ids)
+    torch.save(subset, path)
+    return subset
 
 
 def _held_out_samples(args: argparse.Namespace, data: DataConfig, target_model) -> list[dict]:

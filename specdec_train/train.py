@@ -290,7 +290,8 @@ class Trainer:
         for free in ("steps", "time_budget_s", "eval_every", "checkpoint_every"):
             mine.pop(free)
             theirs.pop(free, None)
-        if theirs != mine or ckpt.get("feature_layers", [-1]) != list(self.feature_layers):
+        same_subset = torch.equal(ckpt["state"]["vocab_subset"], self.vocab_subset.long())
+        if theirs != mine or ckpt.get("feature_layers", [-1]) != list(self.feature_layers) or not same_subset:
             raise ValueError(f"{path} was written with other training settings; delete it to start over")
         with torch.no_grad():
             for name, value in ckpt["state"].items():
