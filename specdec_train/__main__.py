@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from shared.malloc_tuning import tune_malloc
-from shared.model.eagle import arch_from_config, eagle3_layers, head_config, save_head
+from shared.model.eagle import arch_from_config, eagle3_layers, head_config, load_head_state, save_head
 from shared.model.loader import load_embeddings, load_model
 from shared.settings import REPO_ROOT, default_target_model
 from specdec_train.conversations import held_out_conversations
@@ -61,6 +61,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reg-weight", type=float, default=TrainConfig.reg_weight, help="feature regression weight")
     p.add_argument("--time-budget-min", type=float, default=60.0, help="stop training after this (0 = no limit)")
     p.add_argument("--resume", action="store_true", help="train a finished checkpoint on to --steps")
+    p.add_argument(
+        "--init-from", type=Path, default=None,
+        help="warm start from this EAGLE-1 head (fc and layers; the fused input starts as its final state: "
+        "--feature-layers must include -1)",
+    )  # fmt: skip
+    p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out checks")
     p.add_argument("--eval-k", type=int, default=4)
     p.add_argument("--eval-tokens", type=int, default=128)
     p.add_argument("--no-engine-eval", action="store_true", help="skip the engine's held-out evaluation at the end")
@@ -119,11 +125,13 @@ def main(argv: list[str] | None = None) -> None:
     train_config = TrainConfig(
         steps=args.steps, tokens_per_step=args.tokens_per_step, max_len=args.max_len, lr=args.lr, unroll=args.unroll,
         reg_weight=args.reg_weight, time_budget_s=args.time_budget_min * 60, seed=args.seed,
-        eval_every=2 if args.quick else TrainConfig.eval_every,
+        eval_every=2 if args.quick else args.eval_every,
     )  # fmt: skip
     features = TargetFeatures(target_model[0], layers, max_tokens=max(4096, args.tokens_per_step + 2048))
     heldout = HeldOut(_held_out_samples(args, data, target_model), features, args.eval_k, args.max_len)
     trainer = Trainer(arch_from_config(config), embedding, lm_head, subset, train_config, layers)
+    if args.init_from is not None:
+        trainer.start_from(load_head_state(args.init_from), heldout.batches[0])
     trainer.fit(
         samples, features, args.work_dir / f"checkpoint-seed{args.seed}.pt", heldout,
         extend_to=args.steps if args.resume else None,

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from shared.model.attention import default_scale
 from shared.model.config import ModelArch
-from shared.model.eagle import decoder_layer, init_head_state, reference_fuse, reference_logits
+from shared.model.eagle import decoder_layer, init_head_state, reference_forward, reference_fuse, reference_logits
 from shared.model.rope import RotaryEmbedding
 
 PACE_STEPS = 10  # steps timed before the schedule is fitted to the time budget
@@ -208,6 +208,28 @@ class Trainer:
         self.best: tuple[float, int, dict[str, torch.Tensor]] | None = None  # (held-out measure, step, weights)
         self.seconds = 0.0  # training time over every sitting
         self.sittings: list[dict[str, float]] = []  # per sitting: first and last step, minutes, when
+
+    @torch.no_grad()
+    def start_from(self, eagle1: dict[str, torch.Tensor], batch: Batch) -> None:
+        """Warm start from an EAGLE-1 head (same layer shapes): its fc and decoder layers as they are, `fuse`
+        reading only the final state (-1 must be among the layers) scaled back to the state's typical RMS,
+        and the output norm scaled to the old head's typical output RMS (both measured on `batch`), so the new
+        head starts out drafting like the old one. The other layers' fuse columns start at 0."""
+        if "fuse.weight" in eagle1 or -1 not in self.feature_layers or "fuse.weight" not in self.state:
+            raise ValueError("a warm start takes an EAGLE-1 head into a fused head whose layers include -1")
+        hidden, slot = self.arch.hidden_size, self.feature_layers.index(-1)
+        final = batch.features[..., slot * hidden : (slot + 1) * hidden]  # [B, S, hidden]
+        real = final.abs().sum(-1) > 0  # not padding
+        old_out = reference_forward(eagle1, self.arch, self.rotary, final, F.embedding(batch.next_ids, self.embedding))
+        input_rms = float(final[real].pow(2).mean(-1).sqrt().mean())
+        output_rms = float(old_out[real].pow(2).mean(-1).sqrt().mean())
+        for name, value in eagle1.items():
+            if name != "vocab_subset":
+                self.state[name].copy_(value)
+        fuse = self.state["fuse.weight"]  # [hidden, n * hidden]
+        fuse.zero_()
+        fuse[:, slot * hidden : (slot + 1) * hidden] = input_rms * torch.eye(hidden)
+        self.state["norm.weight"].fill_(output_rms)
 
     def lr_at(self, step: int) -> float:
         c = self.config

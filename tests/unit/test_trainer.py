@@ -29,7 +29,7 @@ from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
 from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset
-from specdec_train.train import TrainConfig, Trainer, make_batch, scored, unrolled_forward
+from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, scored, unrolled_forward
 from tests.tiny import ours, tiny_hf_model
 
 
@@ -216,3 +216,29 @@ def test_make_batch_teacher_rows_line_up_with_scored_positions():
     # position j's teacher is the final state at j + 1
     assert batch.teacher_feats[:, 0].tolist() == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
     assert batch.next_ids[1].tolist() == [6, 7, 8, 9, 0]
+
+
+def test_warm_start_from_an_eagle1_head_drafts_like_it():
+    """A fused head reading (0, -1) warm-started from an EAGLE-1 head gives, on the target's own features,
+    the EAGLE-1 head's logits up to the final state's RMS varying a little from position to position."""
+    target_hf = tiny_hf_model(seed=5, layers=4)
+    model, target_arch = ours(target_hf)
+    embed, lm_head = model.embed_tokens.weight, model.lm_head_weight
+    old_arch, old_state, _ = _arch_and_state(fused=False, seed=4)
+    layers = (0, -1)
+    trainer = Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
+    from specdec_train.features import TargetFeatures
+
+    tokens = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    ((final, feats),) = TargetFeatures(model, layers)([tokens[0]])
+    trainer.start_from(old_state, Batch(feats[None], tokens, final[None]))
+    rotary = RotaryEmbedding(old_arch.rope_parameters, old_arch.head_dim, old_arch.max_position_embeddings)
+    embeds = F.embedding(tokens, embed)
+    with torch.no_grad():
+        old_x = reference_forward(old_state, old_arch, rotary, final[None], embeds)
+        old_logits = old_x @ lm_head[:16].T
+        new_logits = trainer.logits(unrolled_forward(trainer.state, old_arch, rotary, feats[None], embeds, 1)[0])
+    assert ((new_logits - old_logits).norm() / old_logits.norm()).item() < 0.2
+    assert (old_logits.argmax(-1) == new_logits.argmax(-1)).float().mean() > 0.9
+    with pytest.raises(ValueError, match="include -1"):
+        Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), (0, 1)).start_from(old_state, None)
