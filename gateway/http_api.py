@@ -81,6 +81,7 @@ class HttpCall:
 def error_response(err: Exception) -> JSONResponse:
     code, message = status_of(err)
     status, kind = http_status_for_grpc_code(code.name)
+    status = getattr(err, "http_status", status)  # an HTTP-only error (http_limits.py: 413, 408)
     headers = dict(grpc_trailing_metadata_for(err))  # retry-after
     body = {"error": {"message": message, "type": kind, "param": None, "code": _error_code(err, code.name)}}
     return JSONResponse(body, status_code=status, headers={k.title(): v for k, v in headers.items()})
@@ -109,7 +110,7 @@ def make_app(core: GatewayCore, model_name: str) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("event=http_internal_error path=%s", request.url.path)
-        return error_response(exc)
+        return error_response(exc)  # a generic message (shared/errors.py): the details are in the log
 
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])

@@ -7,6 +7,7 @@ resolved into a PreparedRequest (what the verifier is sent), and each request's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,12 @@ from shared.request_ids import check_request_id, new_internal_id
 from shared.sampling import SamplingParams
 
 _DEFAULTS = SamplingParams()
+# The wire types of the verifier call (protos/specdec/v1): a value outside them would fail building the proto
+# (a 500 after tokenizing and routing), so the edge refuses it first.
+_INT32_MAX = 2**31 - 1
+MAX_ROLE_CHARS = 64  # 'system', 'user', 'assistant', 'tool', ...: a role is a word, never a document
+_UINT32_MAX = 2**32 - 1
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
@@ -126,6 +133,7 @@ class RequestPreparer:
         if not given:
             raise InvalidRequestError("the prompt is empty: set prompt (text), prompt_token_ids or messages (chat)")
         self._check_messages(req.messages)
+        self._check_wire_ranges(req)
         why = check_top_logprobs(req.logprobs, req.top_logprobs)
         if why is not None:
             raise InvalidRequestError(why)
@@ -162,6 +170,18 @@ class RequestPreparer:
             )
 
     @staticmethod
+    def _check_wire_ranges(req: RequestFields) -> None:
+        """Numbers the HTTP front end parsed as Python ints and floats must fit the verifier call's proto types."""
+        for name, top in (("top_k", _INT32_MAX), ("max_tokens", _UINT32_MAX), ("max_draft_tokens", _UINT32_MAX)):
+            value = getattr(req, name)
+            if value is not None and not -_INT32_MAX - 1 <= value <= top:
+                raise InvalidRequestError(f"{name} must lie in [0, {top}], got {value}")
+        for name in ("temperature", "top_p", "min_p"):
+            value = getattr(req, name)
+            if value is not None and math.isfinite(value) and abs(value) > _FLOAT32_MAX:
+                raise InvalidRequestError(f"{name} must be at most {_FLOAT32_MAX:.7g} in size, got {value}")
+
+    @staticmethod
     def _prompt_kinds(req: RequestFields) -> list[tuple[str, Any]]:
         return [("prompt", req.prompt), ("prompt_token_ids", req.prompt_token_ids), ("messages", req.messages)]
 
@@ -173,14 +193,21 @@ class RequestPreparer:
                 "this model's tokenizer has no chat template, so messages cannot be used: send prompt (text) or "
                 "prompt_token_ids with the model's own prompt format"
             )
-        chars = sum(len(content) for _, content in messages)
-        if chars > self.config.max_prompt_chars:
+        cfg = self.config
+        if len(messages) > cfg.max_messages:
+            raise InvalidRequestError(f"the chat has {len(messages)} messages; the limit is {cfg.max_messages}")
+        chars = sum(len(role) + len(content) for role, content in messages)
+        if chars > cfg.max_prompt_chars:
             raise InvalidRequestError(
-                f"the messages have {chars} characters; the limit is {self.config.max_prompt_chars}"
+                f"the messages have {chars} characters (roles and contents); the limit is {cfg.max_prompt_chars}"
             )
         for i, (role, _) in enumerate(messages):
             if not role:
                 raise InvalidRequestError(f"message {i} has no role (e.g. 'system', 'user', 'assistant')")
+            if len(role) > MAX_ROLE_CHARS:
+                raise InvalidRequestError(
+                    f"message {i}'s role has {len(role)} characters; the limit is {MAX_ROLE_CHARS}"
+                )
 
     @property
     def has_chat_template(self) -> bool:

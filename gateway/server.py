@@ -31,6 +31,7 @@ from gateway.backends import BackendPool
 from gateway.config import GatewayConfig, load_gateway_config
 from gateway.core import GatewayCore
 from gateway.http_api import make_app
+from gateway.http_limits import ConnectionStats, HttpLimits, LimitsMiddleware, guarded_protocol
 from gateway.prepare import RequestPreparer
 from gateway.servicer import GatewayServicer
 from shared.grpc_server import (
@@ -43,7 +44,7 @@ from shared.grpc_server import (
 from shared.malloc_tuning import tune_malloc
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc
 from shared.telemetry import Telemetry, setup_telemetry
-from shared.tls import add_port, check_files_or_exit
+from shared.tls import ReloadingSSLContext, add_port, check_files_or_exit
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,9 @@ class _Readiness:
             await self._last
 
 
+HEALTH_HEADROOM_RPCS = 256
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn inside the gateway's event loop: the gateway owns SIGTERM (drain both front ends), not uvicorn."""
 
@@ -125,10 +129,20 @@ class _HttpServer:
     """The OpenAI-compatible API (gateway/http_api.py) served by uvicorn on an already bound socket."""
 
     def __init__(self, core: GatewayCore, config: GatewayConfig) -> None:
-        self.sock = socket.create_server((config.host, config.http_port), reuse_port=False)
-        self.port = self.sock.getsockname()[1]
+        self.limits = HttpLimits(
+            max_body_bytes=config.max_request_bytes,
+            max_requests=config.max_concurrent_rpcs,
+            max_connections=config.http_max_connections,
+            read_timeout_s=config.http_read_timeout_s,
+            keep_alive_s=config.http_keep_alive_s,
+        )
+        self.app = LimitsMiddleware(make_app(core, config.model_name()), self.limits)
+        self.connection_stats = ConnectionStats()
+        self.tls: ReloadingSSLContext | None = None
         uv_config = uvicorn.Config(
-            make_app(core, config.model_name()),
+            self.app,
+            http=guarded_protocol(self.limits, self.connection_stats, self._on_accept),
+            timeout_keep_alive=max(1, round(config.http_keep_alive_s)),
             log_level="warning",
             access_log=False,
             lifespan="off",
@@ -139,8 +153,17 @@ class _HttpServer:
             ssl_ca_certs=(config.tls_ca_file or None) if config.require_client_cert else None,
             ssl_cert_reqs=ssl.CERT_REQUIRED if config.require_client_cert else ssl.CERT_NONE,
         )
+        uv_config.load()
+        if uv_config.ssl is not None:  # the certificate rotates as on the gRPC port (shared/tls.py)
+            self.tls = ReloadingSSLContext(uv_config.ssl, config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
+        self.sock = socket.create_server((config.host, config.http_port), reuse_port=False)
+        self.port = self.sock.getsockname()[1]
         self.server = _EmbeddedUvicorn(uv_config)
         self.task: asyncio.Task[None] | None = None
+
+    def _on_accept(self) -> None:
+        if self.tls is not None:
+            self.tls.maybe_reload()
 
     async def start(self) -> None:
         self.task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.sock]))
@@ -173,7 +196,11 @@ async def start_gateway(
         telemetry = setup_telemetry("specdec-gateway", metrics_port=config.metrics_port, metrics_host=config.host)
     pool = BackendPool(config, interceptors=telemetry.client_interceptors())
     servicer = GatewayServicer(RequestPreparer(tokenizer, config), pool, telemetry, auth=auth)
-    server = new_server(telemetry.server_interceptors(), config.max_request_bytes, config.max_concurrent_rpcs)
+    # The core caps generation at max_concurrent_rpcs; the server's own cap leaves room above it for health
+    # checks and stats, so a client holding every generation slot cannot make the liveness probe fail.
+    server = new_server(
+        telemetry.server_interceptors(), config.max_request_bytes, config.max_concurrent_rpcs + HEALTH_HEADROOM_RPCS
+    )
     gateway_pb2_grpc.add_GatewayServicer_to_server(servicer, server)
     health_servicer = add_health_and_reflection(server, [SERVICE_NAME], reflection_on=config.enable_reflection)
     port = add_port(server, config.host, config.port, config, "gateway")

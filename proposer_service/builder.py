@@ -116,6 +116,7 @@ def build_draft_model_drafter(config: ProposerConfig) -> tuple[Drafter, Proposer
     arch = paged.arch
     grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)
     drafter = DraftModelDrafter(paged.runner, paged.blocks, top_n=config.draft_top_n, grammar=grammar)
+    drafter.tree_width, drafter.tree_beam = config.tree_width, config.tree_beam
     fingerprint = tokenizer_fingerprint(name)
     info = ProposerInfo("draft-model", name, arch.vocab_size, fingerprint, config.max_k, paged.max_model_len)
     log.info(
@@ -165,6 +166,7 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     )
     # A head for layers this target lacks is refused here, at start-up, not by a verifier later.
     check_feature_layers(drafter.head.feature_layers, arch.num_layers, f"the head {head_dir}")
+    drafter.tree_width, drafter.tree_beam = config.tree_width, config.tree_beam
     fingerprint = tokenizer_fingerprint(target)
     info = ProposerInfo(
         "eagle", head_dir, arch.vocab_size, fingerprint, config.max_k, max_model_len, arch.hidden_size,

@@ -58,6 +58,13 @@ class ProposerConfig(TLSConfig):
     draft_top_n: int = field(
         default=64, metadata={"help": "sampled drafts come from the draft model's top-n tokens (sent sparse)"}
     )
+    tree_width: int = field(
+        default=4,
+        metadata={"help": "token trees (when the verifier asks for one): the best tokens drafted under each node"},
+    )
+    tree_beam: int = field(
+        default=2, metadata={"help": "token trees: the best nodes of each depth expanded (one batched forward a depth)"}
+    )
     ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
     ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
     tensor_parallel_size: int = field(
@@ -94,7 +101,7 @@ class ProposerConfig(TLSConfig):
             raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
         if self.block_size < 0:
             raise ValueError(f"--block-size must be >= 0 (0 = auto), got {self.block_size}")
-        for name in ("max_k", "max_num_seqs", "max_model_len", "draft_top_n"):
+        for name in ("max_k", "max_num_seqs", "max_model_len", "draft_top_n", "tree_width", "tree_beam"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proposer_service.draft_tree import Expansion
 from proposer_service.paged_drafter import PagedDrafter, common_prefix, draft_generator
 from shared.drafting import DraftRequest
 from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
+from shared.model.attention import TreeSpec
 from shared.model.runner import ForwardItem, ModelRunner
 
 CATCH_UP_CHUNK = 512
@@ -42,6 +44,7 @@ CATCH_UP_TOKENS = 2048
 class _SeqState:
     generator: torch.Generator
     cached: list[int] = field(default_factory=list)  # tokens whose K/V are in the draft cache, in order
+    tenant: str = ""  # the prefix cache is salted with it: one tenant's blocks are never another's hit
 
 
 class DraftModelDrafter(PagedDrafter[_SeqState]):
@@ -57,18 +60,18 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         """Roll the cache back to its longest valid prefix and reserve room for this round."""
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params), tenant=req.tenant)
         if not state.cached and not self.blocks.has_seq(req.seq_id):
             # The last committed token is always fed: its logits give d_1.
-            match = self.blocks.match_prefix(tokens[: len(tokens) - 1])
+            match = self.blocks.match_prefix(tokens[: len(tokens) - 1], state.tenant)
             if match.blocks:
                 state.cached = list(tokens[: self.blocks.allocate_prefix(req.seq_id, match)])
         valid = min(common_prefix(state.cached, tokens), len(tokens) - 1)
         del state.cached[valid:]
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(valid, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, tokens, valid)
-        needed = len(tokens) + req.k - 1  # catch-up tokens plus d_1..d_{k-1} are written
+            self.blocks.cache_full_blocks(req.seq_id, tokens, valid, state.tenant)
+        needed = len(tokens) + self.draft_feeds(req)  # catch-up tokens plus the drafted tokens fed
         if not self._reserve(req.seq_id, needed, keep=in_request):
             self._drop_cache(req.seq_id)  # no room even after evicting idle sequences: no draft this round
             return False
@@ -79,7 +82,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         state = self.states[seq_id]
         committed = self.history.tokens.get(seq_id, [])
         if self.blocks.has_seq(seq_id):
-            self.blocks.cache_full_blocks(seq_id, committed, common_prefix(state.cached, committed))
+            self.blocks.cache_full_blocks(seq_id, committed, common_prefix(state.cached, committed), state.tenant)
         self.blocks.free(seq_id)
         state.cached.clear()
 
@@ -93,16 +96,30 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
         feeds = self._feed_in_chunks(active, keep=max(1, min(CATCH_UP_CHUNK, CATCH_UP_TOKENS // max(1, len(active)))))
         self._feeds = {req.seq_id: feed for (req, _), feed in zip(active, feeds, strict=True)}
 
-    def _position_logits(
-        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
-    ) -> torch.Tensor:  # [len(rows), vocab]
+    def _root_logits(self, reqs: list[DraftRequest], rows: list[int]) -> torch.Tensor:  # [len(rows), vocab]
+        """Feed what the catch-up left (the last committed token at least): the last row's logits give d_1."""
         items = []
         for i in rows:
             seq_id = reqs[i].seq_id
-            feed = self._feeds.pop(seq_id) if step == 0 else [out_ids[i][-1]]
-            state = self.states[seq_id]
+            feed, state = self._feeds.pop(seq_id), self.states[seq_id]
             items.append(ForwardItem(self.blocks.block_table(seq_id), len(state.cached), feed, 1))
             state.cached.extend(feed)
+        return torch.cat(self.runner.forward(items))
+
+    def _expand_logits(self, reqs: list[DraftRequest], expansions: list[Expansion]) -> torch.Tensor:
+        """Each drafted token at its slot after the committed tokens; a tree node with tree attention. Tokens fed
+        in a chain stay in `cached` (an accepted one is reused next round); tree nodes are overwritten."""
+        items = []
+        for e in expansions:
+            seq_id = reqs[e.row].seq_id
+            state, base = self.states[seq_id], len(self.history.tokens[seq_id])  # base: the first draft slot
+            table = self.blocks.block_table(seq_id)
+            if e.in_chain:
+                items.append(ForwardItem(table, base + e.index, [e.token], 1))
+                state.cached.append(e.token)
+            else:
+                tree = TreeSpec(base, (base - 1 + e.depth,), (tuple(base + a for a in e.ancestors),))
+                items.append(ForwardItem(table, base + e.index, [e.token], 1, tree))
         return torch.cat(self.runner.forward(items))
 
     def _feed_in_chunks(self, rows: list[tuple[DraftRequest, list[int]]], keep: int) -> list[list[int]]:

@@ -20,12 +20,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from proposer_service.draft_tree import Expansion
 from proposer_service.paged_drafter import PagedDrafter, draft_generator
 from shared.drafting import DraftRequest, FeatureStore
 from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, build_metadata
+from shared.model.attention import SeqSpan, TreeSpec, build_metadata
 from shared.model.eagle import EagleHead
 
 MAX_SEQUENTIAL_FILL = 16  # gap positions filled one by one from the head's own guesses; earlier ones in bulk
@@ -38,7 +39,7 @@ class _SeqState:
     num_done: int = 0  # head positions in the cache (real or filled features)
     num_exact: int = 0  # leading positions built from real features only: the cacheable prefix
     last_hidden: torch.Tensor | None = None  # head output at num_done - 1: its guess of feature num_done
-    draft_hidden: torch.Tensor | None = None  # this round: the head's guess of the feature at the next draft
+    tenant: str = ""  # the prefix cache is salted with it: one tenant's blocks are never another's hit
 
 
 class EagleDrafter(PagedDrafter[_SeqState]):
@@ -55,6 +56,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         super().__init__(cache, block_manager, top_n, grammar)
         self.head = head
         self.vocab_size = head.arch.vocab_size
+        self._fed: dict[tuple[int, int], torch.Tensor] = {}  # this round: (row, expansion index) -> head output
 
     @property
     def vocab_subset(self) -> torch.Tensor:
@@ -84,7 +86,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             self._forget(req.seq_id)  # a full resend replaces whatever we built
         state = self.states.get(req.seq_id)
         if state is None:
-            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params))
+            state = self.states[req.seq_id] = _SeqState(draft_generator(req.params), tenant=req.tenant)
         if req.features is None:
             return True
         features = req.features
@@ -105,14 +107,14 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         keys = _pair_keys(tokens)  # head position j <-> (t_j, t_{j+1})
         if state.num_done == 0 and not self.blocks.has_seq(req.seq_id):
             # Leave the last position to compute: its output is the first draft's feature.
-            match = self.blocks.match_prefix(keys[: len(keys) - 1])
+            match = self.blocks.match_prefix(keys[: len(keys) - 1], state.tenant)
             if match.blocks:
                 state.num_done = state.num_exact = self.blocks.allocate_prefix(req.seq_id, match)
         if self.blocks.has_seq(req.seq_id):
             self.blocks.rollback(req.seq_id, min(state.num_done, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact)
+            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact, state.tenant)
         # catch-up to position len(tokens) - 2, then k - 1 draft positions
-        if not self._reserve(req.seq_id, len(tokens) - 1 + req.k - 1, keep=in_request):
+        if not self._reserve(req.seq_id, len(tokens) - 1 + self.draft_feeds(req), keep=in_request):
             self._drop_cache(req.seq_id)
             return False
         return True
@@ -122,22 +124,23 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         state = self.states[seq_id]
         if self.blocks.has_seq(seq_id):
             keys = _pair_keys(self.history.tokens.get(seq_id, []))
-            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)))
+            self.blocks.cache_full_blocks(seq_id, keys, min(state.num_exact, len(keys)), state.tenant)
         self.blocks.free(seq_id)
         state.num_done = state.num_exact = 0
         state.last_hidden = None
 
     # ---- forwards -------------------------------------------------------------------------------
 
-    def _forward(self, rows: list[tuple[str, int, torch.Tensor, list[int]]]) -> list[torch.Tensor]:
+    def _forward(self, rows: list) -> list[torch.Tensor]:
         """rows: (seq_id, first position, head inputs g [n, hidden] (fused real features or the head's own
-        states), next token ids [n]) -> the head's states [n, hidden]."""
-        spans = [SeqSpan(self.blocks.block_table(seq_id), start, len(ids)) for seq_id, start, _, ids in rows]
+        states), next token ids [n][, tree spec]) -> the head's states [n, hidden]; without a tree the
+        positions are causal from the first."""
+        spans = [SeqSpan(self.blocks.block_table(row[0]), row[1], len(row[3]), *row[4:]) for row in rows]
         meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device)
-        features = torch.cat([f for _, _, f, _ in rows])  # [T, hidden]
-        next_ids = torch.tensor([t for *_, ids in rows for t in ids], dtype=torch.int64)
+        features = torch.cat([row[2] for row in rows])  # [T, hidden]
+        next_ids = torch.tensor([t for row in rows for t in row[3]], dtype=torch.int64)
         hidden = self.head(features, next_ids, self.kv_cache.layers, meta)  # [T, hidden]
-        return list(hidden.split([len(ids) for *_, ids in rows]))
+        return list(hidden.split([len(row[3]) for row in rows]))
 
     def _catch_up(self, active: list[tuple[DraftRequest, list[int]]], idle: list[tuple[DraftRequest, list[int]]]):
         """Bring every active sequence's head to position len(tokens) - 2: real features in one batched forward,
@@ -176,23 +179,29 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             (out,) = self._forward([(seq_id, state.num_done, guess.unsqueeze(0), [tokens[state.num_done + 1]])])
             state.num_done, state.last_hidden = state.num_done + 1, out[-1]
 
-    def _position_logits(
-        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
-    ) -> torch.Tensor:  # [len(rows), draft_vocab]: over the subset
-        """Each row's predicted feature at its next draft position: at the first, the head's output at the last
-        committed position; after that, the head fed its previous output and drafted token."""
-        states = [self.states[reqs[i].seq_id] for i in rows]
-        if step:
-            forward_rows = [
-                (reqs[i].seq_id, state.num_done + step - 1, state.draft_hidden.unsqueeze(0), [out_ids[i][-1]])  # type: ignore[union-attr]
-                for i, state in zip(rows, states, strict=True)
-            ]
-            for state, out in zip(states, self._forward(forward_rows), strict=True):
-                state.draft_hidden = out[-1]
-        else:
-            for state in states:
-                state.draft_hidden = state.last_hidden
-        return self.head.compute_logits(torch.stack([s.draft_hidden for s in states]))  # type: ignore[misc]
+    def _root_logits(self, reqs: list[DraftRequest], rows: list[int]) -> torch.Tensor:  # [len(rows), draft_vocab]
+        """The head's output at the last committed position is its guess of the next feature: d_1's logits."""
+        self._fed = {}
+        return self.head.compute_logits(torch.stack([self.states[reqs[i].seq_id].last_hidden for i in rows]))  # type: ignore[misc]
+
+    def _expand_logits(self, reqs: list[DraftRequest], expansions: list[Expansion]) -> torch.Tensor:
+        """The head fed a drafted token with the feature it guessed for it (its parent's output), at head position
+        num_done + depth - 1, written at slot num_done + index; a tree node sees the prefix and its ancestors."""
+        rows = []
+        for e in expansions:
+            seq_id = reqs[e.row].seq_id
+            state = self.states[seq_id]
+            feature = state.last_hidden if e.parent < 0 else self._fed[(e.row, e.parent)]
+            assert feature is not None
+            tree = None
+            if not e.in_chain:
+                visible = tuple(state.num_done + a for a in e.ancestors)
+                tree = TreeSpec(state.num_done, (state.num_done + e.depth - 1,), (visible,))
+            rows.append((seq_id, state.num_done + e.index, feature.unsqueeze(0), [e.token], tree))
+        outs = self._forward(rows)
+        for e, out in zip(expansions, outs, strict=True):
+            self._fed[(e.row, e.index)] = out[-1]
+        return self.head.compute_logits(torch.stack([out[-1] for out in outs]))
 
 
 def _pair_keys(tokens: list[int]) -> list[int]:

@@ -2,7 +2,8 @@
 
 No model: it pays off when the output quotes its input (code edits, summaries with citations). An index
 from each n-gram to where it last ended is kept per sequence and extended as tokens are committed, so a
-lookup costs O(n) rather than a scan of the sequence.
+lookup costs O(n) rather than a scan of the sequence. When the verifier takes a token tree, the continuations
+of the suffix's matches of every length that differ become branches (a trie of them, longest match first).
 
 A sequence with a format (structured output) gets only the run's prefix its grammar allows
 (proposer_service/draft_grammar.py), then the tokens the format forces after it (JSON keys and punctuation),
@@ -44,6 +45,11 @@ class NgramDrafter:
             return Draft(req.seq_id, req.committed_len, [], needs_resync=True)
         self._extend_index(req.seq_id, tokens, rewritten_from=req.committed_len - len(req.new_token_ids))
         may_draft, matcher = self.grammar.update(req, tokens)
+        if may_draft and matcher is None and req.max_tree_nodes > 0:
+            branches = self.continuations(req.seq_id, tokens, req.k)
+            if len(branches) > 1:
+                nodes, parents = trie(branches, req.max_tree_nodes)
+                return Draft(req.seq_id, req.committed_len, nodes, parents=parents)
         run = self.lookup(req.seq_id, tokens, req.k) if may_draft else []
         if matcher is not None and req.k > 0:
             run = run[: matcher.num_valid(run)]
@@ -52,14 +58,21 @@ class NgramDrafter:
         return Draft(req.seq_id, req.committed_len, run)
 
     def lookup(self, seq_id: str, tokens: list[int], k: int) -> list[int]:
+        branches = self.continuations(seq_id, tokens, k)
+        return branches[0] if branches else []
+
+    def continuations(self, seq_id: str, tokens: list[int], k: int) -> list[list[int]]:
+        """What followed the latest earlier occurrence of the last n tokens, for each n (longest first) that has
+        one, at most k tokens each, without repeats."""
         if k <= 0:
             return []
         index = self.index[seq_id]
+        found: list[list[int]] = []
         for n in range(min(self.max_ngram, len(tokens) - 1), self.min_ngram - 1, -1):
             end = index[n].get(tuple(tokens[-n:]))
-            if end is not None:
-                return tokens[end : end + k]
-        return []
+            if end is not None and tokens[end : end + k] not in found:
+                found.append(tokens[end : end + k])
+        return found
 
     def _extend_index(self, seq_id: str, tokens: list[int], rewritten_from: int) -> None:
         # The suffix itself (ending at len(tokens)) is left out so a lookup finds an earlier occurrence.
@@ -73,3 +86,23 @@ class NgramDrafter:
                 if end >= n:
                     table[tuple(tokens[end - n : end])] = end
         self.indexed_len[seq_id] = len(tokens)
+
+
+def trie(branches: list[list[int]], max_nodes: int) -> tuple[list[int], list[int]]:
+    """The branches merged on their common prefixes, in order, as (node tokens, parents): nodes in topological
+    order, at most max_nodes of them."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    children: dict[tuple[int, int], int] = {}  # (parent, token) -> node
+    for branch in branches:
+        parent = -1
+        for token in branch:
+            node = children.get((parent, token))
+            if node is None:
+                if len(tokens) == max_nodes:
+                    break
+                node = children[(parent, token)] = len(tokens)
+                tokens.append(token)
+                parents.append(parent)
+            parent = node
+    return tokens, parents

@@ -1,12 +1,17 @@
 """What the two model drafters (draft model, EAGLE head) share: per-sequence committed history and state over
 a paged KV cache of their own, release, eviction of idle sequences when blocks run out, the drafter's own
-sampling stream, each sequence's format (structured output), and the drafting loop itself.
+sampling stream, each sequence's format (structured output), and the drafting loops themselves.
 
 A round (`propose`): every request updates its sequence (history, format, `_prepare`: the drafter's own
-state); the drafter catches its sequences up on their committed tokens (`_catch_up`); then all sequences
-that draft advance together, one position at a time: `_position_logits` gives the logits at each row's next
-draft position, the format masks them, and `_sample` picks the token (greedy, seeded with the target's noise,
-or from the top `top_n` tokens, whose exact distribution is sent).
+state); the drafter catches its sequences up on their committed tokens (`_catch_up`); then the sequences that
+draft advance together. `_root_logits` gives each row's distribution of the first draft token; feeding a
+drafted token (an `Expansion`) gives the distribution after it (`_expand_logits`), batched over all rows.
+- Chains: one position at a time; the format masks the logits and `_sample` picks the token (greedy, seeded with
+  the target's noise, or from the top `top_n` tokens, whose exact distribution is sent).
+- Trees (the verifier asked for up to `max_tree_nodes` nodes; proposer_service/draft_tree.py): the best
+  `tree_width` tokens under each node, the `tree_beam` best nodes of each depth expanded, the best nodes by
+  cumulative draft probability kept (EAGLE-2's dynamic tree). They are deterministic guesses: no probabilities
+  are sent. Sequences with a format or a seed draft chains.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Generic, Protocol, TypeVar
 import torch
 
 from proposer_service.draft_grammar import DraftGrammar, DraftWalk, draft_walk
+from proposer_service.draft_tree import Expansion, draft_trees, grows_tree
 from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
 from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
@@ -41,11 +47,19 @@ class PagedDrafter(Generic[State]):
     vocab_size: int  # the target's vocabulary: drafted ids and seeded noise live in it
 
     def __init__(
-        self, kv_cache: KVCache, block_manager: BlockManager, top_n: int, grammar: GrammarCompiler | None = None
+        self,
+        kv_cache: KVCache,
+        block_manager: BlockManager,
+        top_n: int,
+        grammar: GrammarCompiler | None = None,
+        tree_width: int = 4,
+        tree_beam: int = 2,
     ) -> None:
         self.kv_cache = kv_cache
         self.blocks = block_manager
         self.top_n = top_n  # sampled drafts come from the top_n tokens, and exactly that distribution is sent
+        self.tree_width = tree_width  # a tree's children per expanded node
+        self.tree_beam = tree_beam  # a tree's nodes expanded per depth
         self.history = SequenceHistory()
         self.states: dict[str, State] = {}
         self.grammar = DraftGrammar(grammar)  # without a compiler, sequences with a format are not drafted
@@ -75,11 +89,22 @@ class PagedDrafter(Generic[State]):
             else:
                 idle.append((req, tokens))
         self._catch_up(active, idle)
-        if active:
-            with draft_walk(self.grammar, matchers) as walk:
-                for draft in self._draft([req for req, _ in active], walk):
+        grow = [grows_tree(req, matcher) for (req, _), matcher in zip(active, matchers, strict=True)]
+        trees = [req for (req, _), tree in zip(active, grow, strict=True) if tree]
+        chains = [(req, matcher) for (req, _), matcher, tree in zip(active, matchers, grow, strict=True) if not tree]
+        if trees:
+            for draft in draft_trees(self, trees):
+                drafts[draft.seq_id] = draft
+        if chains:
+            with draft_walk(self.grammar, [matcher for _, matcher in chains]) as walk:
+                for draft in self._draft([req for req, _ in chains], walk):
                     drafts[draft.seq_id] = draft
         return [drafts[req.seq_id] for req in requests]
+
+    def draft_feeds(self, req: DraftRequest) -> int:
+        """Draft tokens this round may feed into the drafter's cache: a chain's first k - 1, or the expansions
+        of a tree's first k - 1 depths."""
+        return max(0, req.k - 1) * (self.tree_beam if grows_tree(req, None) else 1)
 
     def _draft(self, reqs: list[DraftRequest], walk: DraftWalk) -> list[Draft]:
         states = [self.states[req.seq_id] for req in reqs]
@@ -90,7 +115,11 @@ class PagedDrafter(Generic[State]):
             rows = [i for i, req in enumerate(reqs) if req.k > step and not ended[i]]
             if not rows:
                 break
-            logits = self._position_logits(reqs, rows, step, out_ids)  # [len(rows), width]
+            if step == 0:
+                logits = self._root_logits(reqs, rows)  # [len(rows), width]
+            else:
+                chain = tuple(range(step))
+                logits = self._expand_logits(reqs, [Expansion(i, out_ids[i][-1], step, step - 1, chain) for i in rows])
             logits, rows = walk.mask(logits, rows, ended, self.vocab_subset)
             picks = self._sample(logits, [reqs[i] for i in rows], [states[i] for i in rows], step)
             for row, (token, support) in zip(rows, picks, strict=True):
@@ -156,10 +185,12 @@ class PagedDrafter(Generic[State]):
         """Bring the drafter's cache to each active sequence's last committed token (and idle ones as it likes)."""
         raise NotImplementedError
 
-    def _position_logits(
-        self, reqs: list[DraftRequest], rows: list[int], step: int, out_ids: list[list[int]]
-    ) -> torch.Tensor:  # [len(rows), width]
-        """The logits at draft position `step` of each row; `out_ids`: the tokens drafted so far, per row."""
+    def _root_logits(self, reqs: list[DraftRequest], rows: list[int]) -> torch.Tensor:  # [len(rows), width]
+        """Each row's logits for the first draft token (after its last committed token)."""
+        raise NotImplementedError
+
+    def _expand_logits(self, reqs: list[DraftRequest], expansions: list[Expansion]) -> torch.Tensor:
+        """[len(expansions), width]: the logits after feeding each expansion's token at its place."""
         raise NotImplementedError
 
     def _drop_cache(self, seq_id: str) -> None:

@@ -20,6 +20,7 @@ import grpc
 
 from proposer_service.builder import ProposerInfo, build_drafter
 from proposer_service.config import ProposerConfig
+from proposer_service.paged_drafter import PagedDrafter
 from proposer_service.telemetry import ProposerTelemetry
 from shared.config import load_config
 from shared.draft_codec import pack_draft
@@ -34,7 +35,7 @@ from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
-from shared.tls import add_port, check_files_or_exit
+from shared.tls import add_port, check_files_or_exit, server_interceptors
 
 log = logging.getLogger("specdec.proposer")
 
@@ -84,6 +85,17 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         self.invalid_features = 0
 
     async def GetInfo(self, request: proposer_pb2.GetInfoRequest, context: grpc.aio.ServicerContext):
+        if request.max_tree_nodes:
+            log.info("verifier %s scores token trees of up to %d nodes", context.peer(), request.max_tree_nodes)
+        # A verifier drops drafts wider than it accepts: draft from no more top tokens than it said.
+        drafter = self.drafter
+        if isinstance(drafter, PagedDrafter) and 0 < request.max_draft_support < drafter.top_n:
+            log.warning(
+                "draft top-n lowered from %d to %d: the verifier's max_draft_support",
+                drafter.top_n,
+                request.max_draft_support,
+            )
+            drafter.top_n = request.max_draft_support
         return self.info.to_proto()
 
     async def Propose(  # type: ignore[override]
@@ -207,6 +219,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             feature_start,
             seq.draft_position,
             seq.tenant,
+            seq.max_tree_nodes if k > 0 else 0,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
@@ -268,7 +281,7 @@ class ProposerServer(ServiceRuntime):
         if telemetry is None:
             telemetry = setup_telemetry("specdec-proposer", metrics_port=config.metrics_port, metrics_host=config.host)
         servicer = ProposerServicer(drafter, info, telemetry)
-        server = new_server(telemetry.server_interceptors())
+        server = new_server([*telemetry.server_interceptors(), *server_interceptors(config)])
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = add_port(server, config.host, config.port, config, "proposer")

@@ -32,6 +32,8 @@ class DraftRequest:
     # The request's tenant (the API key's name, '' = anonymous): a drafter that remembers text across requests
     # keeps it per tenant.
     tenant: str = ""
+    # Largest token tree the verifier scores this step (nodes, depth <= k); 0: a chain of at most k tokens.
+    max_tree_nodes: int = 0
 
 
 @dataclass(frozen=True)
@@ -58,11 +60,42 @@ class SparseProbs:
 
 @dataclass(frozen=True)
 class Draft:
+    """A chain of draft tokens, or a token tree: `token_ids` are then the nodes in topological order and
+    `parents[i]` node i's parent (-1: the last committed token, else an earlier node)."""
+
     seq_id: str
     committed_len: int
     token_ids: list[int]  # at most k; fewer (even none) is allowed
-    probs: SparseProbs | None = None  # None: each token was chosen deterministically (one-hot)
+    probs: SparseProbs | None = None  # per token: the distribution it was sampled from; None: deterministic
     needs_resync: bool = False  # the drafter lacks this sequence's history: resend it whole
+    parents: list[int] | None = None  # None: a chain
+    # No draft because the drafter could not be reached (a remote proposer down or late): a resync it implies
+    # costs nothing until the proposer is back, so the verifier's resync budget does not count it.
+    unreachable: bool = False
+
+    @property
+    def is_tree(self) -> bool:
+        return self.parents is not None
+
+    def depth(self) -> int:
+        """The longest path, in tokens (a chain's length)."""
+        return max(tree_depths(self.parents), default=0) if self.parents is not None else len(self.token_ids)
+
+
+def tree_depths(parents: list[int]) -> list[int]:
+    """Each node's depth (1 for a child of the root); parents must be topological (parents[i] < i)."""
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    return depths
+
+
+def tree_children(parents: list[int]) -> list[list[int]]:
+    """children[0] are the root's, children[i + 1] node i's, each in node order."""
+    children: list[list[int]] = [[] for _ in range(len(parents) + 1)]
+    for node, parent in enumerate(parents):
+        children[parent + 1].append(node)
+    return children
 
 
 class Drafter(Protocol):

@@ -41,6 +41,11 @@ class NumericalError(SpecdecError):
     others in its batch are unaffected."""
 
 
+class InternalError(SpecdecError):
+    """A bug or an unexpected failure: INTERNAL. Its message is what the client sees: generic, with the request
+    id to quote; the exception itself goes to the log, never to the client."""
+
+
 class NotFoundError(SpecdecError):
     """The named thing (e.g. a model) is not served here: NOT_FOUND (HTTP 404)."""
 
@@ -77,11 +82,13 @@ def grpc_status_for(err: BaseException) -> tuple[Any, str]:
         return grpc.StatusCode.UNAVAILABLE, str(err)
     if isinstance(err, NotFoundError):
         return grpc.StatusCode.NOT_FOUND, str(err)
-    if isinstance(err, NumericalError):
+    if isinstance(err, (NumericalError, InternalError)):
         return grpc.StatusCode.INTERNAL, str(err)
     if isinstance(err, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED, str(err) or "deadline exceeded"
-    return grpc.StatusCode.INTERNAL, f"internal error: {type(err).__name__}: {err}"
+    # Anything else is a bug: its type and text may name files, addresses or internals, so they go to the log
+    # (the caller logs the exception) and the client gets a generic message.
+    return grpc.StatusCode.INTERNAL, "internal error; the server's log has the details"
 
 
 def grpc_trailing_metadata_for(err: BaseException) -> tuple[tuple[str, str], ...]:

@@ -4,7 +4,7 @@ The grammar engine is llguidance (docs/notes/grammar-engines.md says why: compil
 milliseconds, rejects schema keywords it cannot enforce, rolls back in a microsecond, no heavy dependencies).
 Both the verifier (on the target's distribution) and the proposer (on its drafts) use the same three calls:
 
-    matcher = compiler.matcher(constraint)    # per request; compiled grammars are cached
+    matcher = compiler.matcher(constraint)    # per request: a copy of the cached compiled matcher
     matcher.fill_masks(draft_ids, bitmask)    # allowed tokens at every scored position along a draft
     matcher.consume(emitted_ids)              # advance by what was emitted
 
@@ -33,8 +33,22 @@ log = logging.getLogger("specdec.grammar")
 KINDS = ("json_schema", "json_object", "regex", "grammar")
 # Compact JSON: with flexible whitespace a small model can emit blanks forever inside a valid document.
 JSON_OVERRIDES: Any = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-CACHE_SIZE = 256  # compiled grammars kept per tokenizer
+CACHE_SIZE = 64  # compiled matchers kept per tokenizer
+# ... and at most this many characters of their specs: a compiled 250 kB schema holds 3-10 MB, so distinct
+# large schemas sent one after another cannot grow the cache past ~100 MB.
+CACHE_SPEC_CHARS = 4 * 1024 * 1024
 MAX_SPEC_CHARS = 256 * 1024
+# Deeper than any schema a person writes; Python's json module would raise RecursionError near 1,000, and the
+# grammar engine stops near 200 on its own ("recursion limit exceeded"): refuse clearly before either.
+MAX_SCHEMA_DEPTH = 64
+
+
+def _limits() -> Any:
+    """llguidance's own bounds on compile work and grammar size (its defaults: ~20 ms of lexer fuel, 500,000
+    grammar symbols), without its verbose errors, which quote the parser's state and the grammar back."""
+    import llguidance
+
+    return llguidance.LLParserLimits(verbose_errors=False)
 
 
 @dataclass(frozen=True)
@@ -66,6 +80,9 @@ def grammar_for(constraint: StructuredOutput) -> str:
             schema = json.loads(constraint.spec)
         except json.JSONDecodeError as err:
             raise InvalidRequestError(f"invalid json_schema: not JSON: {err}") from err
+        except RecursionError:
+            raise InvalidRequestError(f"invalid json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels") from None
+        check_depth(schema)
         if schema is False:
             raise InvalidRequestError("invalid json_schema: the schema false allows no output")
         if not isinstance(schema, dict | bool):
@@ -85,8 +102,27 @@ def grammar_for(constraint: StructuredOutput) -> str:
     return llguidance.LLMatcher.grammar_from_lark(text)
 
 
+def _one_line(error: str, limit: int = 300) -> str:
+    """The compiler's message as one printable line (it may quote the grammar over several, with a caret)."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in error).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def check_depth(document: Any) -> None:
+    """InvalidRequestError when a parsed JSON document nests deeper than MAX_SCHEMA_DEPTH (walked without
+    recursion, so any depth is measured safely)."""
+    stack = [(document, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise InvalidRequestError(f"invalid json_schema: nested deeper than {MAX_SCHEMA_DEPTH} levels")
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+
+
 class GrammarCompiler:
-    """Compiles constraints for one tokenizer; thread-safe, with an LRU cache of checked grammars."""
+    """Compiles constraints for one tokenizer; thread-safe, with an LRU cache of compiled matchers (a request
+    gets a copy: 0.1 ms, where compiling a large schema takes from a fraction of a second to seconds)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: tuple[int, ...] = ()) -> None:
         """`tokenizer`: a transformers tokenizer, or an llguidance.LLTokenizer made by hand (tests)."""
@@ -101,28 +137,48 @@ class GrammarCompiler:
         self.words = (vocab_size + 31) // 32  # int32 words per bitmask row
         self.grammar_eos = self.ll_tokenizer.eos_token
         self.eos_token_ids = frozenset(eos_token_ids) | {self.grammar_eos}
-        self._cache: OrderedDict[StructuredOutput, str] = OrderedDict()
+        # A compiled matcher at its start, or the error a constraint compiled to (a client sending the same bad
+        # schema again is refused at once too).
+        self._cache: OrderedDict[StructuredOutput, Any] = OrderedDict()
         self._lock = threading.Lock()
+        self._cache_chars = 0  # characters of the cached constraints' specs
+        self.compilations = 0  # constraints compiled (cache misses)
 
-    def compile(self, constraint: StructuredOutput) -> str:
+    def compile(self, constraint: StructuredOutput) -> Any:
+        """The compiled matcher at its start (llguidance.LLMatcher; do not advance it: `matcher` copies it), or
+        InvalidRequestError. Blocks for as long as the compile takes: call it off the event loop."""
         import llguidance
 
         with self._lock:
-            if constraint in self._cache:
+            cached = self._cache.get(constraint)
+            if cached is not None:
                 self._cache.move_to_end(constraint)
-                return self._cache[constraint]
-        grammar = grammar_for(constraint)
-        error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
-        if error:
-            raise InvalidRequestError(f"invalid {constraint.kind}: {error}")
-        with self._lock:
-            self._cache[constraint] = grammar
-            if len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        return grammar
+        if cached is None:
+            try:
+                grammar = grammar_for(constraint)
+                compiled = llguidance.LLMatcher(self.ll_tokenizer, grammar, limits=_limits())
+                cached = (
+                    InvalidRequestError(f"invalid {constraint.kind}: {_one_line(compiled.get_error())}")
+                    if compiled.is_error()
+                    else compiled
+                )
+            except InvalidRequestError as err:
+                cached = err
+            except ValueError as err:  # llguidance's own refusals of grammar text (e.g. a bad Lark rule)
+                cached = InvalidRequestError(f"invalid {constraint.kind}: {_one_line(str(err))}")
+            with self._lock:
+                self.compilations += 1
+                if constraint not in self._cache:
+                    self._cache_chars += len(constraint.spec)
+                self._cache[constraint] = cached
+                while len(self._cache) > CACHE_SIZE or self._cache_chars > CACHE_SPEC_CHARS:
+                    self._cache_chars -= len(self._cache.popitem(last=False)[0].spec)
+        if isinstance(cached, InvalidRequestError):
+            raise InvalidRequestError(str(cached))
+        return cached
 
     def matcher(self, constraint: StructuredOutput) -> GrammarMatcher:
-        return GrammarMatcher(self, self.compile(constraint), constraint.kind)
+        return GrammarMatcher(self, self.compile(constraint).deep_copy())
 
     def new_bitmask(self, rows: int) -> torch.Tensor:  # [rows, words] int32, every token allowed
         return torch.full((rows, self.words), -1, dtype=torch.int32)
@@ -148,13 +204,10 @@ def load_compiler(
 class GrammarMatcher:
     """One request's position in its grammar. Not thread-safe: one owner at a time."""
 
-    def __init__(self, compiler: GrammarCompiler, grammar: str, kind: str) -> None:
-        import llguidance
-
+    def __init__(self, compiler: GrammarCompiler, matcher: Any) -> None:
+        """`matcher`: a fresh llguidance.LLMatcher of its own (GrammarCompiler.matcher copies the cached one)."""
         self.compiler = compiler
-        self._matcher = llguidance.LLMatcher(compiler.ll_tokenizer, grammar)
-        if self._matcher.is_error():
-            raise InvalidRequestError(f"invalid {kind}: {self._matcher.get_error()}")
+        self._matcher = matcher
         self.num_consumed = 0  # grammar tokens consumed (EOS excluded)
 
     def consume(self, token_ids: list[int]) -> None:
@@ -227,6 +280,24 @@ class GrammarMatcher:
         if num_valid:
             self._matcher.rollback(num_valid)
         return num_valid + 1
+
+    def fill_tree_masks(self, token_ids: list[int], parents: list[int], bitmask: torch.Tensor, row: int = 0) -> int:
+        """A token tree's scored positions: row `row` gets the tokens allowed at the root, row + 1 + i those
+        allowed after the path to node i. A row whose path holds a forbidden token or an EOS is left all-allowed:
+        verification never accepts that node (the forbidden token has no target probability under its parent's
+        mask; an EOS ends the request), so nothing is emitted from it. State unchanged; returns rows filled."""
+        bitmask[row : row + len(token_ids) + 1] = -1
+        self._fill_row(bitmask, row)
+        filled = 1
+        paths: list[list[int]] = []
+        for node, parent in enumerate(parents):
+            paths.append([*(paths[parent] if parent >= 0 else []), token_ids[node]])
+            walk, num_valid = self._valid_walk(paths[-1])
+            if num_valid == len(walk) == len(paths[-1]):
+                with self._after(walk):
+                    self._fill_row(bitmask, row + 1 + node)
+                filled += 1
+        return filled
 
     def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]

@@ -7,7 +7,8 @@ the other services when it has one (verifying them against it, presenting its ow
 
 Certificates rotate without a restart: the server's credentials re-read the files whenever their stat
 changes (a Kubernetes Secret volume swaps a symlink), checked on each new connection's handshake; streams
-already running keep their connection. Clients read the files when they open a channel.
+already running keep their connection. The gateway's HTTPS port (uvicorn, the stdlib's ssl) does the same
+through ReloadingSSLContext. Clients read the files when they open a channel.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import ipaddress
 import logging
 import os
 import ssl
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -51,6 +53,14 @@ class TLSConfig:
             "against it, presenting --tls-cert-file) for the channels to the other services"
         },
     )
+    tls_allowed_client_names: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "comma-separated names (a certificate's common name or one of its DNS names) whose client "
+            "certificates may call this service's API; health and reflection stay open to every certificate the "
+            "CA signed. Empty: any such certificate (the cluster CA alone decides)"
+        },
+    )
     tls_require_client_cert: bool | None = field(
         default=None,
         metadata={
@@ -63,6 +73,8 @@ class TLSConfig:
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             given, missing = ("--tls-cert-file", "--tls-key-file")[:: 1 if self.tls_cert_file else -1]
             raise ValueError(f"{given} needs {missing}: a certificate and its key go together")
+        if self.tls_allowed_client_names and not self.require_client_cert:
+            raise ValueError("--tls-allowed-client-names needs client certificates (--tls-ca-file, required)")
         if self.tls_require_client_cert:
             if not self.tls_cert_file:
                 raise ValueError("--tls-require-client-cert needs --tls-cert-file/--tls-key-file (a TLS server)")
@@ -179,12 +191,116 @@ class ReloadingServerCertificates:
         return config
 
 
+class ReloadingSSLContext:
+    """The same rotation for a server on the stdlib's ssl (the gateway's HTTPS port): `maybe_reload`, called
+    for each new connection before its handshake, stats the files and, when they changed and load as a
+    matching set, loads them into the live context, so new connections get the new certificate while open
+    ones keep theirs. A set that does not load keeps the previous one and is tried again next time. The CA
+    file only adds: a CA once trusted stays trusted until a restart."""
+
+    def __init__(self, context: ssl.SSLContext, cert_file: str, key_file: str, ca_file: str = "") -> None:
+        self.context = context
+        self.files = (cert_file, key_file, ca_file)
+        self._signature = _signature([p for p in self.files if p])
+        self.reloads = 0
+
+    def maybe_reload(self) -> bool:
+        signature = _signature([p for p in self.files if p])
+        if signature == self._signature:
+            return False
+        try:
+            material = load_material(*self.files)
+        except TLSError as err:
+            log.warning("event=tls_reload_failed keeping=previous error=%s", err)
+            return False
+        # The context reads files only: load the bytes just checked (not the paths, which may change again
+        # between the check and the load) from a private temporary folder.
+        with tempfile.TemporaryDirectory(prefix="specdec-tls-") as folder:
+            cert, key = os.path.join(folder, "tls.crt"), os.path.join(folder, "tls.key")
+            for path, data in ((cert, material.cert), (key, material.key)):
+                with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
+                    f.write(data)
+            self.context.load_cert_chain(cert, key)
+        if material.ca is not None:
+            self.context.load_verify_locations(cadata=material.ca.decode())
+        self._signature = signature
+        self.reloads += 1
+        log.info("event=tls_reloaded cert_file=%s", self.files[0])
+        return True
+
+
 def server_credentials(config: TLSConfig) -> grpc.ServerCredentials:
     """Raises TLSError (missing file, not PEM, key not matching the certificate) at start-up."""
     fetcher = ReloadingServerCertificates(config.tls_cert_file, config.tls_key_file, config.tls_ca_file)
     return grpc.dynamic_ssl_server_credentials(
         fetcher.initial, fetcher, require_client_authentication=config.require_client_cert
     )
+
+
+class ClientNameCheck(grpc.aio.ServerInterceptor):
+    """Admits a call to the service's API only from a client certificate that names one of `names` (its common
+    name or a DNS name): a certificate from the same CA issued to another service (the proposer's, calling the
+    verifier) gets PERMISSION_DENIED. Health and reflection stay open to every certificate (the probes present
+    the pod's own)."""
+
+    OPEN = ("/grpc.health.v1.", "/grpc.reflection.")
+
+    def __init__(self, names: Sequence[str]) -> None:
+        self.names = frozenset(names)
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(self.OPEN):
+            return handler
+        return _checked(handler, self._check)
+
+    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+        auth = context.auth_context()
+        presented = {
+            value.decode(errors="replace")
+            for key in ("x509_common_name", "x509_subject_alternative_name")
+            for value in auth.get(key, [])
+        }
+        if not presented & self.names:
+            log.warning("event=client_name_refused presented=%s", ",".join(sorted(presented)) or "-")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this client certificate may not call this service")
+
+
+def _checked(handler: Any, check: Any) -> Any:
+    """`handler` with `check(context)` run before its behaviour (any of the four call shapes)."""
+    if handler.request_streaming and handler.response_streaming:
+        behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    if handler.response_streaming:
+
+        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            result = behavior(request, context)
+            if hasattr(result, "__aiter__"):
+                async for message in result:
+                    yield message
+            else:  # a handler that writes with context.write
+                await result
+
+        wrapped: Any = streaming
+    else:
+
+        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(context)
+            return await behavior(request, context)
+
+        wrapped = unary
+    return make(wrapped, handler.request_deserializer, handler.response_serializer)
+
+
+def server_interceptors(config: TLSConfig) -> list[grpc.aio.ServerInterceptor]:
+    """The client-name check when --tls-allowed-client-names is set."""
+    return [ClientNameCheck(config.tls_allowed_client_names)] if config.tls_allowed_client_names else []
 
 
 def is_loopback(host: str) -> bool:

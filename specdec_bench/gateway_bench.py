@@ -1,7 +1,8 @@
 """Gateway benchmark: the engine benchmark's workloads through the whole gRPC stack, side by side with the
 in-process engine.
 
-    python -m specdec_bench.gateway_bench [--quick] [--runs N] [--max-tokens N] [--only t,g4] [--out docs/BENCHMARKS.md]
+    python -m specdec_bench.gateway_bench [--quick] [--runs N] [--max-tokens N] [--only t,g4] [--dtype float32,bfloat16]
+        [--out docs/BENCHMARKS.md]
 
 Starts real service processes on loopback (as tests/e2e does) and sends the engine benchmark's chat prompts
 (specdec_bench.prompts, chat template applied by engine_bench.chat_ids) through the gateway with grpc.aio,
@@ -17,7 +18,10 @@ request generates exactly --max-tokens tokens:
     target only [q]   the target-only stack on the quoting prompts (the n-gram row's baseline)
 
 The EAGLE rows are left out, with a message, when the head's folder (--eagle-head) does not exist; --only
-runs a subset of the rows (the target-only baseline of each is added).
+runs a subset of the rows (the target-only baseline of each is added). --dtype lists the target dtypes: a half
+dtype (bfloat16, float16) runs the target-only, draft-model and EAGLE rows again with the verifier (and the draft
+model) at `--dtype` that dtype, in the same run, each against its own target-only row; the EAGLE head stays fp32
+and reads the half-precision target's features. A run with a half dtype writes its own section of the report.
 
 each at 1 client (the batch-1 prompts one after another) and 8 concurrent clients (8 prompts at once).
 Per configuration: tokens/s (all tokens / wall time), time to first token, inter-token latency p50/p99
@@ -43,7 +47,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +72,8 @@ STARTUP_TIMEOUT_S = 600.0
 RPC_TIMEOUT_S = 1200.0
 MARK_START = "<!-- gateway-bench:start -->"
 MARK_END = "<!-- gateway-bench:end -->"
+MARK_START_HALF = "<!-- gateway-bench-half:start -->"  # a run with a half-precision target (--dtype)
+MARK_END_HALF = "<!-- gateway-bench-half:end -->"
 OVERHEAD_TARGET = 0.10
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -82,6 +88,7 @@ class GwConfig:
     baseline: str = "t"  # the target-only row of the same prompts and temperature
     front: str = "grpc"  # "grpc", or "http": the OpenAI-compatible API with SSE streaming (httpx)
     logprobs: int | None = None  # ask each token's logprobs with this many alternatives
+    dtype: str = "float32"  # the target's (and draft model's) --dtype
 
 
 SAMPLED_T = 0.8
@@ -103,6 +110,24 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("tq", "target only (k=0) [quoting]", "quoting", "target", baseline="tq"),
     GwConfig("n4", "n-gram, k=4 [quoting]", "quoting", "ngram", baseline="tq"),
 )
+# Rows run again with a half-precision target when --dtype asks for it (key, label and stack get the suffix).
+HALF_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+HALF_TWINS = ("t", "d4", "g4", "ga")
+
+
+def _twin(cfg: GwConfig, dtype: str) -> GwConfig:
+    suffix = HALF_DTYPES[dtype]
+    return replace(
+        cfg,
+        key=f"{cfg.key}-{suffix}",
+        label=f"{cfg.label}, {suffix} target",
+        stack=f"{cfg.stack}-{suffix}",
+        baseline=f"{cfg.baseline}-{suffix}",
+        dtype=dtype,
+    )
+
+
+CONFIGS += tuple(_twin(c, d) for d in HALF_DTYPES for c in CONFIGS if c.key in HALF_TWINS)
 CONFIG_BY_KEY = {c.key: c for c in CONFIGS}
 INPROC_LABEL = "in-process engine, draft model, k=4"
 DIRECT_LABEL = "verifier directly (no gateway), draft model, k=4"
@@ -206,13 +231,20 @@ class Stack:
             return verifier_pb2_grpc.VerifierStub(ch).GetStats(verifier_pb2.VerifierGetStatsRequest(), timeout=30)
 
 
-def select_configs(only: str, eagle: bool, eagle_dir: str = "") -> tuple[tuple[str, ...], list[str]]:
-    """The keys to run and notes. `only`: comma-separated keys ('' for all); each row's target-only baseline
-    is added. Without an EAGLE head its rows are left out (an error when asked for by name)."""
+def select_configs(
+    only: str, eagle: bool, eagle_dir: str = "", dtypes: Sequence[str] = ("float32",)
+) -> tuple[tuple[str, ...], list[str]]:
+    """The keys to run and notes. `only`: comma-separated fp32 keys ('' for all); each row's target-only baseline
+    is added. `dtypes`: float32 keeps the rows, a half dtype adds their twins at that dtype (HALF_TWINS), a list
+    without float32 runs the twins alone. Without an EAGLE head its rows are left out (an error when asked for
+    by name)."""
     notes = []
+    for dtype in dtypes:
+        if dtype != "float32" and dtype not in HALF_DTYPES:
+            raise SystemExit(f"--dtype: unknown dtype {dtype!r}; choose from float32, {', '.join(HALF_DTYPES)}")
     if only:
         wanted = [k.strip() for k in only.split(",") if k.strip()]
-        unknown = [k for k in wanted if k not in CONFIG_BY_KEY]
+        unknown = [k for k in wanted if k not in CONFIG_BY_KEY or CONFIG_BY_KEY[k].dtype != "float32"]
         if unknown:
             raise SystemExit(f"--only: unknown row(s) {unknown}; rows are {', '.join(CONFIG_BY_KEY)}")
         picked = set(wanted)
@@ -227,7 +259,13 @@ def select_configs(only: str, eagle: bool, eagle_dir: str = "") -> tuple[tuple[s
                 "set --eagle-head or SPECDEC_EAGLE_HEAD"
             )
     else:
-        picked = {c.key for c in CONFIGS if eagle or not c.stack.startswith("eagle")}
+        picked = {c.key for c in CONFIGS if c.dtype == "float32" and (eagle or not c.stack.startswith("eagle"))}
+    twins = {f"{k}-{HALF_DTYPES[d]}" for d in dtypes if d in HALF_DTYPES for k in picked if k in HALF_TWINS}
+    if "float32" not in dtypes:
+        picked = set()
+    picked |= twins
+    if not picked:
+        raise SystemExit(f"--dtype {','.join(dtypes)}: none of the selected rows has a twin at that dtype")
     return tuple(c.key for c in CONFIGS if c.key in picked), notes
 
 
@@ -247,23 +285,25 @@ def build_stacks(
     EAGLE head, n-gram; every proposer stack with k = 4 fixed."""
     stacks = {}
     names = names or [n for n in STACK_KINDS if STACK_KINDS[n] != "eagle" or eagle_head]
-    for name, kind in ((n, STACK_KINDS[n]) for n in names):
+    for name in names:
+        base, dtype = _stack_dtype(name)
+        kind = STACK_KINDS[base]
         stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
-        verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS)]
+        verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", dtype]
         if kind is not None:
             proposer = ["--kind", kind, "--host", HOST, "--port", str(ports["proposer"])]
             proposer += ["--max-model-len", str(MAX_MODEL_LEN)]
             if kind == "draft-model":
-                proposer += ["--model", draft]
+                proposer += ["--model", draft, "--dtype", dtype]
             if kind == "eagle":
                 assert eagle_head is not None
                 proposer += ["--model", eagle_head, "--target-model", target]
             cmd = _command("specdec-proposer", "proposer_service.server") + proposer
             stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
-            if name.endswith("-adaptive"):
+            if base.endswith("-adaptive"):
                 verifier += ["--num-speculative-tokens", str(K_ADAPTIVE), "--adaptive-k"]
             else:
                 verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
@@ -276,6 +316,14 @@ def build_stacks(
         stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log"))
         stacks[name] = stack
     return stacks
+
+
+def _stack_dtype(name: str) -> tuple[str, str]:
+    """A stack's name without its dtype suffix, and its dtype: `eagle-adaptive-bf16` -> (eagle-adaptive, bfloat16)."""
+    for dtype, suffix in HALF_DTYPES.items():
+        if name.endswith(f"-{suffix}"):
+            return name.removesuffix(f"-{suffix}"), dtype
+    return name, "float32"
 
 
 # ---- measurements ------------------------------------------------------------------------------------------
@@ -717,6 +765,10 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
         (("ga", 8), ("t", 8)),
         (("t", 8), ("t", 1)),
     ]
+    # a half-precision target's rows against its own target-only row (a near-tie may flip against fp32)
+    pairs += [
+        ((c.key, n), (c.baseline, n)) for c in CONFIGS if c.dtype != "float32" and c.key != c.baseline for n in CLIENTS
+    ]
     for x, y in pairs:
         if x not in results or y not in results:
             continue
@@ -739,7 +791,11 @@ def _fmt(value, spec: str, default: str = "—") -> str:
 
 def render(summary: dict, meta: dict) -> str:
     m = meta["machine"]
-    out = [MARK_START, "## Gateway benchmark (`specdec_bench.gateway_bench`)", ""]
+    half = any(d in HALF_DTYPES for d in meta["dtypes"])
+    title = "## Gateway benchmark (`specdec_bench.gateway_bench`)"
+    if half:
+        title = f"## Gateway benchmark with half-precision targets (`--dtype {','.join(meta['dtypes'])}`)"
+    out = [MARK_START_HALF if half else MARK_START, title, ""]
     out += [
         f"- Date: {meta['date']}; wall time of the whole benchmark: {meta['runtime_s'] / 60:.1f} min"
         + (" (**--quick smoke run: 1 run, short outputs; not a measurement**)" if meta["quick"] else ""),
@@ -747,7 +803,8 @@ def render(summary: dict, meta: dict) -> str:
         f"- Machine: {m['cpu']}, {m['cores']} cores available, torch {m['torch']}, Python {m['python']}; every "
         f"process on the same cores; load average at start / end: {meta['load_start']} / {meta['load_end']} "
         "(the machine is shared with other jobs)",
-        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (fp32 on CPU); EAGLE head: {meta['eagle']}",
+        f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (--dtype {', '.join(meta['dtypes'])}; "
+        f"the EAGLE head stays fp32); EAGLE head: {meta['eagle']}",
         "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
         f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
         f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens), except the adaptive rows "
@@ -821,7 +878,7 @@ def render(summary: dict, meta: dict) -> str:
             ]
     out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
     out += [f"- {line}" for line in summary["checks"]]
-    out += ["", "### How to read this", "", HOW_TO_READ, MARK_END, ""]
+    out += ["", "### How to read this", "", HOW_TO_READ, MARK_END_HALF if half else MARK_END, ""]
     return "\n".join(out)
 
 
@@ -867,12 +924,19 @@ def main(argv: list[str] | None = None) -> int:
         help=f"comma-separated rows to run, e.g. t,d4,g4 (rows: {','.join(CONFIG_BY_KEY)}); the target-only "
         "baseline of every selected row is added; the split-overhead comparison runs with d4",
     )
+    parser.add_argument(
+        "--dtype",
+        default="float32",
+        help="comma-separated target dtypes (float32, bfloat16, float16): a half dtype runs the rows "
+        f"{','.join(HALF_TWINS)} among the selected ones again at that dtype, in the same run",
+    )
     args = parser.parse_args(argv)
     from shared.settings import default_eagle_head
 
     eagle_dir = str(Path(args.eagle_head or default_eagle_head()).resolve())  # the services run in the repo root
     has_eagle = Path(eagle_dir, "config.json").is_file()
-    keys, notes = select_configs(args.only, has_eagle, eagle_dir)
+    dtypes = [d.strip() for d in args.dtype.split(",") if d.strip()]
+    keys, notes = select_configs(args.only, has_eagle, eagle_dir, dtypes)
     if not has_eagle:
         print(
             f"EAGLE rows (g4, g4s) left out: no head at {eagle_dir} (config.json missing). Train one with "
@@ -887,7 +951,7 @@ def main(argv: list[str] | None = None) -> int:
         batch1_prompts=args.batch1_prompts or (1 if args.quick else 2),
         keys=keys,
     )
-    stack_names = [n for n in STACK_KINDS if any(CONFIG_BY_KEY[k].stack == n for k in keys)]
+    stack_names = list(dict.fromkeys(CONFIG_BY_KEY[k].stack for k in keys))
     use_eagle = any(n.startswith("eagle") for n in stack_names)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     malloc_tuned = tune_malloc()  # as in the services it starts
@@ -949,12 +1013,14 @@ def main(argv: list[str] | None = None) -> int:
         if not has_eagle
         else "not selected",
         "only": args.only,
+        "dtypes": dtypes,
         **asdict(plan),
     }
     section = render(summary, meta)
     print(section)
     if args.out:
-        write_report(Path(args.out), section, MARK_START, MARK_END)
+        half = any(d in HALF_DTYPES for d in dtypes)
+        write_report(Path(args.out), section, *((MARK_START_HALF, MARK_END_HALF) if half else (MARK_START, MARK_END)))
         log(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str))

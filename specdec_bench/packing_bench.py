@@ -1,9 +1,11 @@
 """Packed against plain linear weights (shared/model/parallel.py: pack_weight): the real target's forward
 with q new tokens per sequence, batch 1 and 8, both models loaded from the same tensors and timed in
 alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown table (docs/BENCHMARKS.md,
-"Packed weights").
+"Packed weights"). --dtypes adds half-precision models (plain: torch's own bf16 / fp16 products; packed: oneDNN's
+half kernels where the CPU has them, else fp32 copies of the weights, shared/model/parallel.py) to the same
+alternation.
 
-    python -m specdec_bench.packing_bench [--rounds 5] [--reps 5]
+    python -m specdec_bench.packing_bench [--rounds 5] [--reps 5] [--dtypes float32,bfloat16]
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtypes", default="float32", help="comma-separated: float32, bfloat16, float16")
     args = parser.parse_args(argv)
     started, load_start = time.monotonic(), load_average()
     tune_malloc()
@@ -38,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     source = ModelSource.resolve(name)
     arch = ModelArch.from_hf_config(load_hf_config(source))
     state = load_state_dict(source)
-    models = {"plain": build_model(arch, state, pack=False), "packed": build_model(arch, state)}
+    models = {}
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        short = {"float32": "", "bfloat16": "bf16 ", "float16": "fp16 "}[dtype_name]
+        models[f"{short}plain"] = build_model(arch, state, dtype, pack=False)
+        models[f"{short}packed"] = build_model(arch, state, dtype)
     tokenizer = load_tokenizer(name)
     prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]
     times: dict[tuple[str, int, int], list[float]] = {}

@@ -47,3 +47,22 @@ def law_pvalue(observed: torch.Tensor, law: torch.Tensor, n: int) -> float:
     obs, exp = obs[nonempty], exp[nonempty]
     exp = exp * obs.sum() / exp.sum()  # the fp32 law sums to 1 only within rounding
     return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+class WrongDraftLaw:
+    """A drafter wrapper for negative controls: every draft is reported uniform over its listed ids, whatever
+    distribution it was sampled from."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def propose(self, requests):
+        drafts = self.inner.propose(requests)
+        for draft in drafts:
+            if draft.probs is not None:
+                listed = (draft.probs.probs > 0).float()
+                draft.probs.probs.copy_(listed / listed.sum(-1, keepdim=True))
+        return drafts

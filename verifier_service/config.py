@@ -20,6 +20,8 @@ class EngineConfig:
     # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
     adaptive_k: bool = True
     probe_interval: int = 16  # steps between k = 1 probes of sequences the policy keeps at k = 0
+    # Token trees: at most this many draft nodes per sequence (depth <= num_speculative_tokens); 0: chains only.
+    max_tree_nodes: int = 0
 
 
 ENGINE_DEFAULTS = EngineConfig()
@@ -49,6 +51,13 @@ class VerifierConfig(TLSConfig):
         metadata={
             "help": "choose k per sequence from its acceptance and the measured draft cost (0 when drafting "
             "does not pay); --no-adaptive-k always drafts num_speculative_tokens"
+        },
+    )
+    max_tree_nodes: int = field(
+        default=ENGINE_DEFAULTS.max_tree_nodes,
+        metadata={
+            "help": "token trees: the most draft nodes scored per sequence per step (depth <= the draft length); "
+            "0: chains only"
         },
     )
     host: str = field(
@@ -102,6 +111,13 @@ class VerifierConfig(TLSConfig):
     proposer_timeout_ms: int = field(
         default=2000,
         metadata={"help": "deadline of one propose round trip; past it the step decodes with k = 0 and reconnects"},
+    )
+    max_draft_support: int = field(
+        default=1024,
+        metadata={
+            "help": "widest draft distribution per position accepted from the proposer (stated to it at the "
+            "handshake; capped by the vocabulary): a wider draft is dropped and counted as invalid"
+        },
     )
     proposer_reconnect_max_s: float = field(
         default=10.0, metadata={"help": "longest wait between proposer reconnection attempts (exponential backoff)"}
@@ -169,6 +185,7 @@ class VerifierConfig(TLSConfig):
             max_model_len=max_model_len,
             max_waiting=self.max_waiting,
             adaptive_k=self.adaptive_k,
+            max_tree_nodes=self.max_tree_nodes,
         )
 
     def __post_init__(self) -> None:
@@ -177,14 +194,18 @@ class VerifierConfig(TLSConfig):
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
-        if self.num_speculative_tokens < 0:
-            raise ValueError(f"--num-speculative-tokens must be >= 0, got {self.num_speculative_tokens}")
+        if self.num_speculative_tokens < 0 or self.max_tree_nodes < 0:
+            raise ValueError(
+                f"--num-speculative-tokens and --max-tree-nodes must be >= 0, got {self.num_speculative_tokens}, "
+                f"{self.max_tree_nodes}"
+            )
         for name in (
             "max_num_seqs",
             "max_num_batched_tokens",
             "max_model_len",
             "default_max_tokens",
             "proposer_timeout_ms",
+            "max_draft_support",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")

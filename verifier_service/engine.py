@@ -8,6 +8,7 @@ The core has no gRPC in it; the service drives `step()` from a worker thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import random
 import time
 from dataclasses import dataclass, field, replace
@@ -17,20 +18,25 @@ import torch
 
 from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore
 from shared.errors import InvalidRequestError, QueueFullError
-from shared.grammar import GrammarCompiler
+from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from shared.model.attention import tree_of_parents
 from shared.model.runner import FINAL_LAYER, ForwardItem, ModelRunner
 from shared.sampling import SamplingParams
 from verifier_service import grammar_masks
+from verifier_service.calibration import calibrate
 from verifier_service.config import EngineConfig
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
-from verifier_service.verify import ScoredRow, trim, verify
+from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
 RequestError = InvalidRequestError
+log = logging.getLogger("specdec.verifier.engine")
+RESYNC_BURST = 3  # whole-history resends a sequence may ask for in a row ...
+RESYNC_REFILL_TOKENS = 64  # ... and one more per this many tokens committed since
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
 
 
@@ -67,6 +73,7 @@ class EngineStats(SpeculationRatios):
     accepted_tokens: int = 0
     emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
     stale_drafts: int = 0
+    resyncs_refused: int = 0  # sequences turned to k = 0: their proposer asked for their history too often
 
 
 class StepObserver(Protocol):
@@ -163,12 +170,14 @@ class Engine:
         output_offset: int = 0,
         num_logprobs: int | None = None,
         tenant: str = "",
+        grammar: GrammarMatcher | None = None,
     ) -> None:
         """`max_draft_tokens` lowers this request's k below the engine's (0: no speculation for it).
         `output_offset`: output tokens already emitted at the end of `prompt_ids` (a resumed request), where
         seeded sampling's output positions start. `num_logprobs`: None, or report each emitted token's
         log-probability with that many top alternatives (shared/logprobs.py). `tenant`: the API key's name
-        ('' = anonymous), passed to the drafter."""
+        ('' = anonymous), passed to the drafter. `grammar`: the request's matcher from `build_grammar`, built
+        beforehand off the engine's loop (EngineLoop does); without it a format is compiled here."""
         self._validate(request_id, prompt_ids, params)
         if num_logprobs is not None and not 0 <= num_logprobs <= min(MAX_TOP_LOGPROBS, self.runner.vocab_size):
             raise RequestError(f"top_logprobs must lie in [0, {MAX_TOP_LOGPROBS}], got {num_logprobs}")
@@ -187,13 +196,22 @@ class Engine:
             tenant=tenant,
         )
         if params.structured_output is not None:
-            if self.grammar is None:
-                raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
-            seq.grammar = self.grammar.matcher(params.structured_output)
-            # A resumed request's emitted tokens end its prompt: the format continues after them.
-            seq.grammar.consume(prompt_ids[len(prompt_ids) - output_offset :])
+            seq.grammar = grammar or self.build_grammar(params, prompt_ids, output_offset)
         self.seqs[request_id] = seq
         self.scheduler.add(seq)
+
+    def build_grammar(self, params: SamplingParams, prompt_ids: list[int], output_offset: int = 0) -> GrammarMatcher:
+        """The matcher of a request's format, advanced past a resumed request's output. Thread-safe and
+        touches no engine state: EngineLoop runs it in a worker thread while the engine steps."""
+        assert params.structured_output is not None
+        if self.grammar is None:
+            raise RequestError("structured output needs the target's tokenizer, which this verifier did not load")
+        if not 0 <= output_offset <= len(prompt_ids):
+            raise RequestError(f"output_offset must lie in [0, {len(prompt_ids)}] (the prompt), got {output_offset}")
+        matcher = self.grammar.matcher(params.structured_output)
+        # A resumed request's emitted tokens end its prompt: the format continues after them.
+        matcher.consume(prompt_ids[len(prompt_ids) - output_offset :])
+        return matcher
 
     def abort(self, request_id: str) -> bool:
         seq = self.seqs.pop(request_id, None)
@@ -224,6 +242,7 @@ class Engine:
             self.add_request(f"warm-up-{i}", prompt, params)
         while self.has_unfinished():
             self.step()
+        calibrate(self)  # the policy's scoring times, per batch size and draft length
         for counters in (self.stats, self.scheduler.prefix_cache):  # in place: telemetry holds these objects
             for name in vars(counters):
                 setattr(counters, name, 0)
@@ -274,7 +293,7 @@ class Engine:
         if observer is not None:
             observer.step_started(batch)
         start = time.perf_counter()
-        drafts, ingesting = self._propose(batch)
+        drafts, catch_up = self._propose(batch)
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
@@ -282,13 +301,12 @@ class Engine:
         masks = self._masks.start([(s.seq, drafts.get(s.seq.seq_id)) for s in sampling]) if self._masks else None
         logits, hidden = self._score(batch, drafts)  # the masks are computed meanwhile
         scored = time.perf_counter()
-        if not ingesting:  # a prompt's early ingest would count as drafting cost
-            self._measure_costs(batch, drafts, proposed - start, scored - proposed)
         rows = [
             ScoredRow(s.seq, drafts.get(s.seq.seq_id), lg) for s, lg in zip(batch, logits, strict=True) if s.samples
         ]
         emitted = verify(rows, self._masks.finish(masks) if self._masks else {}, self.runner.vocab_size)
         verified = time.perf_counter()
+        self._measure_costs(batch, drafts, proposed - start, verified - proposed, catch_up)  # scoring + verifying
         self.stats.steps += 1
         outputs = self._commit_step(batch, rows, emitted, hidden)
         if observer is not None:
@@ -310,7 +328,7 @@ class Engine:
         self,
         batch: list[ScheduledSeq],
         rows: list[ScoredRow],
-        emitted: list[list[int] | str],
+        verdicts: list[Verdict | str],
         hidden: list[torch.Tensor | None],
     ) -> list[RequestOutput]:
         sampled_hidden = []
@@ -318,90 +336,143 @@ class Engine:
             if s.samples:
                 sampled_hidden.append(h)
                 continue
-            self._keep_features(s.seq, h, s.num_feed)
+            self._keep_features(s.seq, h, list(range(s.num_feed)))
             s.seq.num_computed += s.num_feed  # a prefill chunk that is not the last one
             self._rollback_blocks(s.seq)
         outputs = []
-        for s, row, tokens, h in zip([s for s in batch if s.samples], rows, emitted, sampled_hidden, strict=True):
-            if isinstance(tokens, str):
-                outputs.append(self._fail(s.seq, tokens))
+        for s, row, verdict, h in zip([s for s in batch if s.samples], rows, verdicts, sampled_hidden, strict=True):
+            if isinstance(verdict, str):
+                outputs.append(self._fail(s.seq, verdict))
                 continue
-            self._keep_features(s.seq, h, s.num_feed + len(tokens) - 1)  # fed tokens and accepted drafts
-            # Token j of a row was decided at its scored position j (accepted drafts, then the recovered or
-            # bonus token), so the raw logits of this one scoring pass give every token's log-probability.
+            # Fed tokens and accepted drafts (a tree's path, moved onto consecutive slots) computed for good.
+            self._keep_features(s.seq, h, [*range(s.num_feed), *(s.num_feed + node for node in verdict.path)])
+            if row.draft is not None and row.draft.is_tree:
+                self._move_path(s, verdict.path)
+            # Token j of a row was decided at the scored position of its parent (the root's for the first; a
+            # chain's position j), so the raw logits of this one scoring pass give every token's log-probability.
             num_top = s.seq.num_logprobs
-            logprobs = token_logprobs(row.logits, tokens, num_top) if num_top is not None else None
-            out = self._commit(s, row.draft, tokens, logprobs)
+            scored_at = [0, *(node + 1 for node in verdict.path)]
+            logprobs = token_logprobs(row.logits[scored_at], verdict.tokens, num_top) if num_top is not None else None
+            out = self._commit(s, row.draft, verdict.tokens, logprobs)
             why = grammar_masks.advance(s.seq, out.new_token_ids) if not out.finished else None
             outputs.append(out if why is None else self._fail(s.seq, why))
         return outputs
 
+    def _move_path(self, s: ScheduledSeq, path: list[int]) -> None:
+        """A tree's nodes were written at slots root + 1 + node; the accepted path's K/V go to root + 1 + depth,
+        the slots plain decoding would have written (ascending: a destination is never a later source)."""
+        root = s.seq.num_computed + s.num_feed - 1
+        table, size = self.blocks.block_table(s.seq.seq_id), self.blocks.block_size
+
+        def slot(offset: int) -> int:
+            return table[offset // size] * size + offset % size
+
+        pairs = [(slot(root + 1 + node), slot(root + 1 + depth)) for depth, node in enumerate(path) if node != depth]
+        self.runner.cache.copy_slots(pairs)
+
     @staticmethod
-    def _keep_features(seq: Sequence, hidden: torch.Tensor | None, num_valid: int) -> None:
-        """Features of the positions this step computed for good (fed tokens and accepted drafts)."""
+    def _keep_features(seq: Sequence, hidden: torch.Tensor | None, rows: list[int]) -> None:
+        """Features of the positions this step computed for good (`rows` of the step's hidden states, in order)."""
         if hidden is None:
             return
         if seq.features is None:
             seq.features = FeatureStore()
-        seq.features.add(seq.num_computed, hidden[:num_valid].clone())  # a view would keep the step's whole batch
+        # index_select copies: a view would keep the step's whole batch
+        seq.features.add(seq.num_computed, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
 
-    def _measure_costs(self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float):
-        if drafts:
-            draft_positions = max(len(d.token_ids) for d in drafts.values())
-            self.scheduler.cost_ratio.update(propose_s, draft_positions, score_s)
-        if all(s.samples and s.num_feed == 1 for s in batch):  # prefill chunks would skew the per-token cost
-            query_tokens = len(batch) + sum(len(d.token_ids) for d in drafts.values())
-            self.scheduler.scoring_cost.update(query_tokens, score_s)
+    def _measure_costs(
+        self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float, catch_up: bool
+    ) -> None:
+        """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs)."""
+        if not all(s.samples and s.num_feed == 1 for s in batch):
+            return
+        policy = self.scheduler.policy
+        policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
+        asked = [s for s in batch if s.k > 0]
+        if asked and not catch_up:
+            policy.record_propose(len(batch), max(s.k for s in asked), any(s.tree_nodes for s in asked), propose_s)
 
     def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:
         """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is
         also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
-        catching up on all of it in the first draft round. Returns (drafts, whether any prompt was sent)."""
+        catching up on all of it in the first draft round. A drafter that can be told without waiting
+        (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
+        so that a later probe carries no stale catch-up. Returns (drafts, whether the call carried a catch-up:
+        a prompt, or more than one step's tokens: its time is not what a drafting round costs)."""
         if self.drafter is None:
             return {}, False
-        scheduled = []
+        drafting, following = [], []
         for s in batch:
             seq = s.seq
             committed = len(seq.tokens) if s.samples else seq.num_computed + s.num_feed
             if (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
-                scheduled.append((s, committed))
-        if not scheduled:
+                drafting.append((s, self._draft_request(s, committed)))
+            elif s.samples and committed > seq.num_sent_to_proposer and hasattr(self.drafter, "notify"):
+                following.append(self._draft_request(s, committed))
+        if following:
+            self.drafter.notify(following)  # type: ignore[attr-defined]
+        if not drafting:
             return {}, False
-        requests = []
-        for s, committed in scheduled:
-            seq = s.seq
-            new = seq.tokens[seq.num_sent_to_proposer : committed]
-            feature_start, features = 0, None
-            if seq.features is not None and self.keeps_features:
-                feature_start, features = seq.features.since(seq.num_features_sent)
-                seq.num_features_sent = seq.features.end
-            k = s.k if s.samples else 0
-            requests.append(
-                DraftRequest(
-                    seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant
-                )
-            )
-            seq.num_sent_to_proposer = committed
         drafts = {}
-        for (s, _), draft in zip(scheduled, self.drafter.propose(requests), strict=True):
+        for (s, _), draft in zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True):
             if draft.needs_resync:
-                s.seq.num_sent_to_proposer = 0
-                s.seq.num_features_sent = 0
+                self._resync(s.seq, charged=not draft.unreachable)
             if not s.samples:
                 continue  # an ingest: nothing to verify
             if draft.committed_len != len(s.seq.tokens) or draft.seq_id != s.seq.seq_id:
                 self.stats.stale_drafts += 1  # built on another prefix: never applied
                 continue
             if draft.token_ids:
-                drafts[draft.seq_id] = trim(draft, s.k)
-        return drafts, any(not s.samples for s, _ in scheduled)
+                drafts[draft.seq_id] = trim(draft, s.draft_slots)
+        step_tokens = self.config.num_speculative_tokens + 1  # the most one step commits
+        catch_up = any(not s.samples or len(r.new_token_ids) > step_tokens for s, r in drafting)
+        return drafts, catch_up
+
+    def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
+        """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's
+        draft shape (k = 0 for a prompt chunk or a sequence that does not draft)."""
+        seq = s.seq
+        new = seq.tokens[seq.num_sent_to_proposer : committed]
+        feature_start, features = 0, None
+        if seq.features is not None and self.keeps_features:
+            feature_start, features = seq.features.since(seq.num_features_sent)
+            seq.num_features_sent = seq.features.end
+        seq.num_sent_to_proposer = committed
+        k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
+        return DraftRequest(
+            seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes
+        )
+
+    def _resync(self, seq: Sequence, charged: bool = True) -> None:
+        """The proposer lost this sequence's history: resend it whole (and its features) next time, at most
+        RESYNC_BURST times in a row plus one per RESYNC_REFILL_TOKENS committed tokens. A proposer that asks on
+        every step would otherwise have the verifier resend whole histories forever; past the budget the
+        sequence decodes without speculation (k = 0, its own output unchanged). An unreachable proposer's
+        resyncs are not `charged`: nothing is resent until it is back."""
+        if charged:
+            refill = (len(seq.tokens) - seq.resync_mark) / RESYNC_REFILL_TOKENS
+            seq.resyncs_left = min(RESYNC_BURST, seq.resyncs_left + refill)
+            seq.resync_mark = len(seq.tokens)
+            if seq.resyncs_left < 1:
+                if seq.max_draft_tokens != 0:
+                    seq.max_draft_tokens = 0
+                    self.stats.resyncs_refused += 1
+                    log.warning("proposer asked for seq %s's history too often: k = 0 for it from now", seq.seq_id)
+                return
+            seq.resyncs_left -= 1
+        seq.num_sent_to_proposer = 0
+        seq.num_features_sent = 0
 
     def _forward_item(self, s: ScheduledSeq, draft: Draft | None) -> ForwardItem:
         seq = s.seq
         feed = seq.tokens[seq.num_computed : seq.num_computed + s.num_feed]
         draft_ids = draft.token_ids if draft else []
         num_logits = len(draft_ids) + 1 if s.samples else 0
-        return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, feed + draft_ids, num_logits)
+        tokens = feed + draft_ids
+        tree = None
+        if draft is not None and draft.parents is not None:
+            tree = tree_of_parents(seq.num_computed, len(tokens), draft.parents)
+        return ForwardItem(self.blocks.block_table(seq.seq_id), seq.num_computed, tokens, num_logits, tree)
 
     def _fail(self, seq: Sequence, why: str) -> RequestOutput:
         """End one sequence alone (ABORT with `error`), its KV blocks freed."""
@@ -418,7 +489,7 @@ class Engine:
         num_accepted = len(tokens) - 1
         # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
         seq.num_computed += s.num_feed + num_accepted
-        self._update_stats(seq, k, num_accepted, len(tokens))
+        self._update_stats(seq, draft, num_accepted, len(tokens))
         new_tokens = []
         for token in tokens:
             seq.tokens.append(token)
@@ -440,11 +511,15 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(self, seq: Sequence, k: int, num_accepted: int, num_emitted: int) -> None:
+    def _update_stats(self, seq: Sequence, draft: Draft | None, num_accepted: int, num_emitted: int) -> None:
         self.stats.sequence_steps += 1
         self.stats.emitted_tokens += num_emitted
-        if k:
-            seq.acceptance.update(k, num_accepted)
+        if draft is not None and draft.token_ids:
+            k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
+            if draft.is_tree:
+                seq.acceptance.update_tree(num_accepted)
+            else:
+                seq.acceptance.update(k, num_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

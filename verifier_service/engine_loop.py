@@ -12,10 +12,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from shared.errors import NumericalError, ReaderStalledError, UnavailableError
+from shared.errors import InvalidRequestError, NumericalError, ReaderStalledError, UnavailableError
+from shared.grammar import GrammarMatcher
 from shared.logprobs import TokenLogprob
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput, SpeculationRatios
@@ -27,6 +30,13 @@ log = logging.getLogger("specdec.verifier.loop")
 # Updates a request may have waiting for its reader. A reader that stops (a stalled client behind gRPC flow
 # control) must not make the verifier buffer its tokens without bound: past this it is failed, its blocks freed.
 MAX_BUFFERED_UPDATES = 4096
+# A request's output format is compiled by its own small pool of threads (llguidance releases the GIL), never
+# on the event loop nor in the default executor that runs the engine's steps: a large schema costs its sender
+# the wait, not every running stream. Past the timeout the request is refused (the compile, bounded by the
+# grammar engine's own limits, finishes in the background and is cached).
+# A quarter of the cores, at least one: compiling must not take the CPU the engine's steps need either.
+GRAMMAR_THREADS = max(1, (os.cpu_count() or 1) // 4)
+GRAMMAR_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -116,6 +126,8 @@ class EngineLoop:
         self, engine: Engine, proposer: RemoteProposer | None = None, max_buffered_updates: int = MAX_BUFFERED_UPDATES
     ) -> None:
         self.max_buffered_updates = max_buffered_updates
+        self.grammar_timeout_s = GRAMMAR_TIMEOUT_S
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
         self.engine = engine
         self.proposer = proposer
         self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts
@@ -181,6 +193,7 @@ class EngineLoop:
         if self._task is not None:
             await self._task
             self._task = None
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     @property
     def num_requests(self) -> int:
@@ -205,12 +218,13 @@ class EngineLoop:
         if not self._accepting or self._stopping:
             raise UnavailableError("the verifier is shutting down; retry on another verifier")
         tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
+        grammar = await self._build_grammar(params, prompt_ids, output_offset)
         async with self._lock:
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
             self.engine.add_request(
-                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs, tenant
+                request_id, list(prompt_ids), params, max_draft_tokens, output_offset, num_logprobs, tenant, grammar
             )
             self._requests[request_id] = tracked
             self._idle.clear()
@@ -230,6 +244,22 @@ class EngineLoop:
         finally:
             if not done:
                 self.abort(request_id)
+
+    async def _build_grammar(
+        self, params: SamplingParams, prompt_ids: list[int], output_offset: int
+    ) -> GrammarMatcher | None:
+        """The request's format matcher, built in the grammar pool while the engine keeps stepping."""
+        if params.structured_output is None:
+            return None
+        work = asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, self.engine.build_grammar, params, list(prompt_ids), output_offset
+        )
+        try:
+            return await asyncio.wait_for(asyncio.shield(work), self.grammar_timeout_s)
+        except TimeoutError:
+            raise InvalidRequestError(
+                f"the output format took longer than {self.grammar_timeout_s:g} s to compile: simplify it"
+            ) from None
 
     def abort(self, request_id: str) -> None:
         """Cancel a request: applied at the next step boundary (its blocks are free before the next step)."""

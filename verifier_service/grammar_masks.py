@@ -52,9 +52,12 @@ class GrammarMasks:
         masks = {}
         for seq, draft in rows:
             draft_ids = draft.token_ids if draft is not None else []
-            bitmask = self.compiler.new_bitmask(len(draft_ids) + 1)  # [k + 1, words]
+            bitmask = self.compiler.new_bitmask(len(draft_ids) + 1)  # [k + 1, words]: a tree's root and nodes
             assert seq.grammar is not None
-            seq.grammar.fill_masks(draft_ids, bitmask)
+            if draft is not None and draft.parents is not None:
+                seq.grammar.fill_tree_masks(draft_ids, draft.parents, bitmask)  # each node along its own path
+            else:
+                seq.grammar.fill_masks(draft_ids, bitmask)
             masks[seq.seq_id] = bitmask
         return masks, start, time.perf_counter()
 

@@ -96,7 +96,7 @@ def rejection_sample(
     stop_probs = _stop_distribution(target_probs, draft_token_ids, draft_probs, num_accepted, k)  # [batch, vocab]
     if check_mass:
         _check_mass(stop_probs)
-    final_token = _inverse_cdf_sample(stop_probs, sample_uniforms)  # [batch]
+    final_token = inverse_cdf_sample(stop_probs, sample_uniforms)  # [batch]
     return _result(draft_token_ids, num_accepted, final_token)
 
 
@@ -244,7 +244,7 @@ def _check_mass(probs: Tensor) -> None:  # [batch, vocab]
         raise ValueError("a target_probs row the sampler reads has no finite positive mass")
 
 
-def _inverse_cdf_sample(
+def inverse_cdf_sample(
     probs: Tensor,  # [batch, vocab] unnormalised, nonnegative
     uniforms: Tensor,  # [batch] float64 in [0, 1)
 ) -> Tensor:  # [batch] int64

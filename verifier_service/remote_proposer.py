@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from shared.draft_codec import unpack_draft
+from shared.draft_codec import DEFAULT_MAX_DRAFT_SUPPORT, unpack_draft
 from shared.drafting import Draft, DraftRequest
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
@@ -79,11 +79,15 @@ class RemoteProposer:
         reconnect_initial_s: float = 0.05,
         reconnect_max_s: float = 10.0,
         tls: ClientTLS | None = None,
+        max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
+        max_tree_nodes: int = 0,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
         self.addresses = list(addresses)
         self.vocab_size = vocab_size
+        # The widest draft distribution per position accepted, stated to the proposer at each handshake.
+        self.max_draft_support = min(max_draft_support, vocab_size)
         self.hidden_size = hidden_size
         # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
         # so a sequence resent in full after a reconnect carries them all.
@@ -96,6 +100,7 @@ class RemoteProposer:
         self.reconnect_initial_s = reconnect_initial_s
         self.reconnect_max_s = reconnect_max_s
         self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
+        self.max_tree_nodes = max_tree_nodes  # stated at the handshake; each sequence's bound travels with it
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -175,7 +180,10 @@ class RemoteProposer:
         call = None
         try:
             stub = proposer_pb2_grpc.ProposerStub(channel)
-            info = await stub.GetInfo(proposer_pb2.GetInfoRequest(), timeout=max(self.timeout_s, 1.0))
+            handshake = proposer_pb2.GetInfoRequest(
+                max_tree_nodes=self.max_tree_nodes, max_draft_support=self.max_draft_support
+            )
+            info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             if info.needs_target_features:
@@ -292,6 +300,17 @@ class RemoteProposer:
             return self._fallback(requests)
         return self._unpack(requests, message, response, call, loop)
 
+    def notify(self, requests: list[DraftRequest]) -> None:
+        """Send sequences' committed tokens (k = 0) without waiting for the answer: the proposer follows them off
+        the verifier's critical path. It applies the message in order, before the next one; its empty reply is
+        dropped. Without a stream nothing is sent, and the next call resends what is missing (needs_resync)."""
+        call, loop = self._call, self._loop
+        if not requests or not self._connected or call is None or loop is None:
+            return
+        message = self._build_request(requests)
+        future = asyncio.run_coroutine_threadsafe(self._exchange(call, message), loop)
+        future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error surfaces on the next call
+
     def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
         if self._connected:
             log.warning(
@@ -306,7 +325,7 @@ class RemoteProposer:
         tokens."""
         self.fallback_steps += 1
         self.last_round_trip = RoundTrip(0.0, 0.0, True)
-        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync) for r in requests]
+        return [Draft(r.seq_id, r.committed_len, [], needs_resync=resync, unreachable=True) for r in requests]
 
     def _build_request(self, requests: list[DraftRequest]) -> proposer_pb2.ProposeRequest:
         with self._release_lock:
@@ -329,6 +348,7 @@ class RemoteProposer:
                 sampling_params=sampling_params_to_proto(r.params),
                 draft_position=r.draft_position,
                 tenant=r.tenant,
+                max_tree_nodes=r.max_tree_nodes,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))
@@ -383,7 +403,9 @@ class RemoteProposer:
         drafts, invalid = [], []
         for req, sent, msg in zip(requests, message.sequences, response.drafts, strict=True):
             try:
-                draft = unpack_draft(msg, self.vocab_size, max_k=sent.k)
+                draft = unpack_draft(
+                    msg, self.vocab_size, sent.k, sent.max_tree_nodes, max_support=self.max_draft_support
+                )
             except ValueError as err:  # k = 0 for this sequence this step; never an exception, never a token
                 self.invalid_drafts += 1
                 invalid.append((req.seq_id, str(err)))

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from shared.kv.block_manager import BlockManager
 from verifier_service.config import EngineConfig
 from verifier_service.sequence import Sequence
-from verifier_service.spec_policy import CostRatio, ScoringCost, best_draft_length
+from verifier_service.spec_policy import Plan, SpecPolicy
 
 
 @dataclass
@@ -41,7 +41,13 @@ class PrefixCacheStats:
 class ScheduledSeq:
     seq: Sequence
     num_feed: int  # committed tokens fed this step
-    k: int  # draft tokens scored after them (only when the feed reaches the end)
+    k: int  # draft length (a tree's depth) scored after them (only when the feed reaches the end)
+    tree_nodes: int = 0  # > 0: a token tree of at most this many nodes may be scored instead of a chain
+
+    @property
+    def draft_slots(self) -> int:
+        """KV slots reserved for the draft: a chain's k tokens or a tree's nodes."""
+        return max(self.k, self.tree_nodes)
 
     @property
     def samples(self) -> bool:
@@ -56,8 +62,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.prefix_cache = PrefixCacheStats()
-        self.cost_ratio = CostRatio()  # measured by the engine
-        self.scoring_cost = ScoringCost()  # measured by the engine
+        self.policy = SpecPolicy(config.max_tree_nodes)  # its times are measured by the engine
         self.num_steps = 0
 
     def add(self, seq: Sequence) -> None:
@@ -79,14 +84,15 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledSeq] = []
         for seq in self.running:  # what the last step committed becomes reusable
-            self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed)
+            self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, seq.num_computed, seq.tenant)
+        plans = self._plans()
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            item = self._schedule_running(seq, budget)
+            item = self._schedule_running(seq, budget, plans.get(seq.seq_id, Plan(0)))
             if item is not None:
                 scheduled.append(item)
-                budget -= item.num_feed + item.k
+                budget -= item.num_feed + item.draft_slots
         while self.waiting and len(self.running) < self.config.max_num_seqs and budget > 0:
             item = self._admit(self.waiting[0], budget)
             if item is None:
@@ -96,33 +102,42 @@ class Scheduler:
             budget -= item.num_feed
         return scheduled
 
-    def draft_length(self, seq: Sequence) -> int:
-        """k for a sequence about to decode: never past the context limit or the tokens it may still emit."""
+    def max_draft_length(self, seq: Sequence) -> int:
+        """The largest k for a sequence about to decode: never past the context limit or the tokens it may still
+        emit, nor past the request's own cap."""
         remaining_output = seq.params.max_tokens - len(seq.output_ids)
         room = self.config.max_model_len - len(seq.tokens)
         k_cap = self.config.num_speculative_tokens
         if seq.max_draft_tokens is not None:
             k_cap = min(k_cap, seq.max_draft_tokens)
-        k_max = max(0, min(k_cap, remaining_output - 1, room - 1))
-        if not self.config.adaptive_k or k_max == 0:
-            return k_max
-        cost = self.cost_ratio.value + self.scoring_cost.per_draft(len(self.running))
-        k = best_draft_length(seq.acceptance.alpha, k_max, cost)
-        if k > 0:
-            return k
-        # Every sequence at k = 0 probes on the same step: one batched drafter call per interval instead
-        # of one on most steps when each sequence keeps its own phase.
-        return 1 if self.num_steps % self.config.probe_interval == 0 else 0
+        return max(0, min(k_cap, remaining_output - 1, room - 1))
 
-    def _schedule_running(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
+    def _plans(self) -> dict[str, Plan]:
+        """The draft of every sequence whose feed may reach its end this step (a decode, or a prompt's last
+        chunk): the configured k (and tree) as far as each may draft, or with adaptive k the policy's plan for the
+        whole batch (spec_policy.py), varied every `probe_interval` steps so that its costs are measured at more
+        than one size."""
+        decoding = [seq for seq in self.running if seq.num_uncomputed <= self.config.max_num_batched_tokens]
+        k_maxes = [self.max_draft_length(seq) for seq in decoding]
+        if not self.config.adaptive_k:
+            nodes = self.config.max_tree_nodes
+            plans = [Plan(k, nodes if 1 <= k < nodes else 0) for k in k_maxes]
+        else:
+            vary = self.num_steps % self.config.probe_interval == 0
+            plans = self.policy.plan([(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)], vary)
+        return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
+
+    def _schedule_running(self, seq: Sequence, budget: int, plan: Plan) -> ScheduledSeq | None:
         num_feed = min(seq.num_uncomputed, budget)
         if num_feed <= 0:
             return None
-        k = self.draft_length(seq) if num_feed == seq.num_uncomputed else 0
-        k = min(k, budget - num_feed)
-        for draft_len in dict.fromkeys((k, 0)):  # under memory pressure drafting goes first
-            if self._reserve(seq, seq.num_computed + num_feed + draft_len):
-                return ScheduledSeq(seq, num_feed, draft_len)
+        k = min(plan.k, budget - num_feed) if num_feed == seq.num_uncomputed else 0
+        nodes = min(plan.tree_nodes, budget - num_feed) if k else 0
+        drafting = ScheduledSeq(seq, num_feed, k, nodes if nodes > k else 0)
+        for item in (drafting, ScheduledSeq(seq, num_feed, 0)) if drafting.draft_slots else (drafting,):
+            # under memory pressure drafting goes first
+            if self._reserve(seq, seq.num_computed + num_feed + item.draft_slots):
+                return item
         while not self._reserve(seq, seq.num_computed + num_feed):
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim)
@@ -132,7 +147,7 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         # The last token is always fed: its logits give the first new token.
-        match = self.blocks.match_prefix(seq.tokens[: len(seq.tokens) - 1])
+        match = self.blocks.match_prefix(seq.tokens[: len(seq.tokens) - 1], seq.tenant)  # per tenant: no probing
         # Admit only if the whole sequence fits now, so a new arrival cannot trigger preemption loops.
         if self.blocks.blocks_needed_with_prefix(match, len(seq.tokens) + 1) > self.blocks.num_free_blocks:
             return None
@@ -159,7 +174,7 @@ class Scheduler:
 
     def _free_blocks(self, seq: Sequence) -> None:
         """Leave the sequence's committed, computed full blocks in the prefix cache, then free them."""
-        self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, min(seq.num_computed, len(seq.tokens)))
+        self.blocks.cache_full_blocks(seq.seq_id, seq.tokens, min(seq.num_computed, len(seq.tokens)), seq.tenant)
         self.blocks.free(seq.seq_id)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -43,6 +43,8 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     features: FeatureStore | None = None  # kept only when the drafter reads them (EAGLE)
     num_features_sent: int = 0  # positions whose features the proposer has been sent
+    resyncs_left: float = 3.0  # whole-history resends this sequence may still ask for (engine.py refills them)
+    resync_mark: int = 0  # len(tokens) at the last refill
     grammar: GrammarMatcher | None = None  # the request's format, past its committed output (shared/grammar.py)
 
     def __post_init__(self) -> None:

@@ -30,7 +30,7 @@ from shared.request_ids import check_request_id, checked_or_empty, new_internal_
 from shared.sampling import SamplingParams
 from shared.service_runtime import ServiceRuntime
 from shared.telemetry import Telemetry, setup_telemetry
-from shared.tls import add_port, check_files_or_exit
+from shared.tls import add_port, check_files_or_exit, server_interceptors
 from verifier_service.config import VerifierConfig
 from verifier_service.engine_loop import EngineLoop, StatsSnapshot, Update
 from verifier_service.remote_proposer import RemoteProposer
@@ -313,7 +313,7 @@ class VerifierServer(ServiceRuntime):
             telemetry=observer,
             keepalive_interval_s=config.keepalive_interval_s,
         )
-        server = new_server(telemetry.server_interceptors())
+        server = new_server([*telemetry.server_interceptors(), *server_interceptors(config)])
         verifier_pb2_grpc.add_VerifierServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])
         port = add_port(server, config.host, config.port, config, "verifier")
@@ -409,6 +409,8 @@ def remote_proposer(
         timeout_s=config.proposer_timeout_ms / 1000,
         reconnect_max_s=config.proposer_reconnect_max_s,
         tls=config.client_tls(config.tls_server_name),
+        max_draft_support=config.max_draft_support,
+        max_tree_nodes=config.max_tree_nodes,
     )
 
 

@@ -1,111 +1,247 @@
-"""Adaptive draft length: draft only as far as it pays.
+"""Adaptive speculation: how deep each sequence drafts, and whether as a token tree, as far as it pays.
 
-With per-token acceptance rate `alpha` and a draft position costing `cost_ratio` of a target forward,
-a round with k drafts emits (1 - alpha^(k+1)) / (1 - alpha) tokens on average for 1 + k * cost_ratio
-target-forward units (Leviathan et al. 2023, eq. 1 and theorem 3.8). The policy picks the k that
-maximises that ratio per sequence; k = 0 (plain decoding) wins when the draft is weak. A sequence at
-k = 0 learns nothing about its acceptance, so every `probe_interval` steps it drafts once at k = 1
-(all such sequences on the same step, so the drafter runs once per interval for all of them).
+A step's throughput is its emitted tokens over its time, and the policy maximises it for the whole batch:
 
-A draft position costs twice: the drafter's time to propose it (`CostRatio`) and the target's time to
-score one more query token (`ScoringCost`). The paper counts only the first, because on a GPU scoring
-k + 1 tokens costs about as much as scoring one; on a CPU, or at large batches, it does not, and a policy
-that ignores it drafts where drafting loses.
+    tokens = sum_s (1 + gain_s)            gain_s: expected accepted drafts of sequence s (a chain of k at
+                                            per-position acceptance a: a + a^2 + ... + a^k; a tree: measured)
+    time   = scoring(B, B + sum_s n_s)      the target's step, n_s draft tokens (a tree's nodes) scored for s
+           + propose(B, D) if D > 0         the proposer call as the verifier waits for it, D = max_s k_s
+
+Both times are the verifier's own measurements (`StepTimes`): scoring per batch size and query tokens (timed at
+warm-up, then from every decode step), the propose call per batch size and draft depth, a per-call cost (round
+trip, catch-up) plus a per-position cost, fitted apart for chains and trees (a drafting-ahead proposer's cache
+hits cost what they took: about a round trip). Calls that carried a long catch-up (a prompt, a resend) are left
+out: they are not what the next call costs. Until a cost is measured it is taken as free, so the policy drafts,
+measures, and corrects.
+
+For each D (0 = plain decoding) the best k_s <= D follows from Dinkelbach's iteration on the throughput lambda:
+a sequence drafts position j while its chance of reaching and passing it (a^j) is worth the marginal scoring
+time at the current throughput (a^j >= lambda * per-token time), or its tree while the tree's gain beats the
+chain's by its extra nodes' time; the best D wins, and D = 0 whenever drafting would be slower than plain
+decoding (Leviathan et al. 2023 give the chain's expectation; the scoring and call costs are what a CPU and a
+remote proposer add to it). A sequence kept at k = 0 learns nothing about its acceptance, and a plan kept at one
+size measures no slope: see `plan` for the probes that keep both learning. A sequence's first tested positions
+move its estimate as a running mean would (the prior counts as two), later ones as an average over about twenty.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-
-def expected_speedup(alpha: float, k: int, cost_ratio: float) -> float:
-    """Expected tokens per target-forward unit of a round with k drafts, relative to plain decoding."""
-    tokens = k + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-    return tokens / (1.0 + k * cost_ratio)
-
-
-def best_draft_length(alpha: float, k_max: int, cost_ratio: float) -> int:
-    # Ties go to the shorter draft: equal expected speed for less work.
-    return max(range(k_max + 1), key=lambda k: (round(expected_speedup(alpha, k, cost_ratio), 9), -k))
+ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
+PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
 
 
 @dataclass
 class AcceptanceEstimate:
-    """Exponential moving average of one sequence's per-token acceptance."""
+    """Exponential moving averages of one sequence's acceptance: per chain position (`alpha`) and the accepted
+    path length of its trees (`tree_gain`, None until it drafted one)."""
 
     alpha: float = 0.5  # an agnostic prior: try drafting, then learn
-    weight: float = 0.15
+    weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
+    tree_gain: float | None = None
+    tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
         tested = min(num_drafted, num_accepted + 1)
         for position in range(tested):
             accepted = 1.0 if position < num_accepted else 0.0
-            self.alpha += self.weight * (accepted - self.alpha)
-
-
-class ScoringCost:
-    """The target's extra time per scored draft token, as a fraction of a step, from pure decode steps.
-
-    Step time is modelled as base + per_token * query_tokens. Recent step times are kept per query-token
-    count and the line is fitted through their medians (robust to the odd slow step); with fewer than two
-    distinct counts seen there is no slope, and scoring is taken as free, the paper's assumption."""
-
-    def __init__(self, window: int = 16, max_counts: int = 16) -> None:
-        self.window = window
-        self.max_counts = max_counts
-        self.samples: dict[int, deque[float]] = {}  # query tokens in the step -> recent step seconds
-        # The fit changes only with a new sample; the scheduler reads it once per decoding sequence per step.
-        self._line: tuple[float, float] | None = None
-        self._line_stale = False
-
-    def update(self, query_tokens: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        self._line_stale = True
-        times = self.samples.pop(query_tokens, None) or deque(maxlen=self.window)
-        times.append(seconds)
-        self.samples[query_tokens] = times  # re-inserted: the dict's order is least recently seen first
-        if len(self.samples) > self.max_counts:
-            del self.samples[next(iter(self.samples))]
-
-    def per_draft(self, num_seqs: int) -> float:
-        """Extra step time when each of `num_seqs` decoding sequences scores one more draft token,
-        relative to the step without drafts."""
-        if self._line_stale:
-            self._line, self._line_stale = self._fit(), False
-        line = self._line
-        if line is None or num_seqs <= 0:
-            return 0.0
-        base, per_token = line
-        plain_step = base + per_token * num_seqs
-        return per_token * num_seqs / plain_step if plain_step > 0 else 0.0
-
-    def _fit(self) -> tuple[float, float] | None:
-        if len(self.samples) < 2:
-            return None
-        points = [(n, statistics.median(times), len(times)) for n, times in self.samples.items()]
-        total = sum(w for _, _, w in points)
-        mean_n = sum(n * w for n, _, w in points) / total
-        mean_t = sum(t * w for _, t, w in points) / total
-        var = sum(w * (n - mean_n) ** 2 for n, _, w in points)
-        per_token = max(0.0, sum(w * (n - mean_n) * (t - mean_t) for n, t, w in points) / var)
-        return mean_t - per_token * mean_n, per_token
-
-
-class CostRatio:
-    """(time per draft position) / (time of the target's scoring forward), as the median of recent steps:
-    a drafter's first round for a sequence includes its prompt prefill, an outlier a median ignores."""
-
-    def __init__(self, window: int = 32) -> None:
-        self.samples: deque[float] = deque(maxlen=window)
+            self.tested += 1
+            self.alpha += self._weight * (accepted - self.alpha)
 
     @property
-    def value(self) -> float:
-        return statistics.median(self.samples) if self.samples else 0.0  # optimistic until measured
+    def _weight(self) -> float:
+        return max(self.weight, 1.0 / (self.tested + 2))
 
-    def update(self, propose_seconds: float, draft_positions: int, score_seconds: float) -> None:
-        if draft_positions > 0 and score_seconds > 0:
-            self.samples.append(propose_seconds / draft_positions / score_seconds)
+    def update_tree(self, num_accepted: int) -> None:
+        gain = self.tree_gain if self.tree_gain is not None else float(num_accepted)
+        self.tree_gain = gain + self.weight * (num_accepted - gain)
+
+    def chain_gain(self, k: int) -> float:
+        """Expected accepted drafts of a chain of k: a + a^2 + ... + a^k."""
+        return sum(self.alpha**j for j in range(1, k + 1))
+
+    def expected_tree_gain(self, depth: int) -> float:
+        """The tree's measured gain, or until it drafted one an optimistic guess (a quarter above the chain of the
+        same depth), so that a tree is tried and then judged by what it did."""
+        return self.tree_gain if self.tree_gain is not None else 1.25 * self.chain_gain(depth)
+
+
+class StepTimes:
+    """Recent times (seconds) per batch size and size (query tokens, or draft depth), fitted per batch size as a
+    line through the medians (robust to the odd slow step); a batch size without a line of its own borrows the
+    slope of the nearest one that has."""
+
+    def __init__(self, window: int = 16) -> None:
+        self.window = window
+        self.samples: dict[int, dict[int, deque[float]]] = {}
+        self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
+
+    def add(self, batch: int, size: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        sizes = self.samples.setdefault(batch, {})
+        sizes.setdefault(size, deque(maxlen=self.window)).append(seconds)
+        self._lines.pop(batch, None)
+
+    def estimate(self, batch: int, size: int) -> float | None:
+        """The expected time, or None when nothing is known at this batch size."""
+        line = self.line(batch)
+        return None if line is None else max(0.0, line[0] + line[1] * size)
+
+    def has_slope(self, batch: int) -> bool:
+        """Measured at two sizes or more at this batch size."""
+        return len(self.samples.get(batch, {})) >= 2
+
+    def slope(self, batch: int) -> float:
+        line = self.line(batch)
+        return line[1] if line is not None else 0.0
+
+    def line(self, batch: int) -> tuple[float, float] | None:
+        if batch not in self._lines:
+            self._lines[batch] = self._fit(batch)
+        return self._lines[batch]
+
+    def _fit(self, batch: int) -> tuple[float, float] | None:
+        points = self._points(batch)
+        if len(points) >= 2:
+            return _line(points)
+        others = [b for b in self.samples if b != batch and len(self._points(b)) >= 2]
+        if not others:
+            return (points[0][1], 0.0) if points else None
+        nearest = min(others, key=lambda b: abs(b - batch))
+        base, slope = _line(self._points(nearest))
+        if points:  # this batch's own level, the neighbour's slope
+            size, seconds, _ = points[0]
+            return seconds - slope * size, slope
+        return base * batch / nearest if batch > nearest else base, slope
+
+    def _points(self, batch: int) -> list[tuple[int, float, int]]:
+        return [(size, statistics.median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t]
+
+
+def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
+    total = sum(w for _, _, w in points)
+    mean_x = sum(x * w for x, _, w in points) / total
+    mean_y = sum(y * w for _, y, w in points) / total
+    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
+    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var) if var else 0.0
+    return mean_y - slope * mean_x, slope
+
+
+@dataclass(frozen=True)
+class Plan:
+    k: int  # chain length (a tree's depth)
+    tree_nodes: int = 0  # > 0: a tree of this many nodes instead of a chain
+
+
+@dataclass
+class SpecPolicy:
+    max_tree_nodes: int = 0  # 0: chains only
+    scoring: StepTimes = field(default_factory=StepTimes)  # batch -> query tokens -> target step seconds
+    propose_chain: StepTimes = field(default_factory=StepTimes)  # batch -> draft depth -> propose call seconds
+    propose_tree: StepTimes = field(default_factory=StepTimes)
+    _probes: int = 0
+    _plain_steps: int = 0  # steps at plain decoding since the last probe
+    probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
+
+    def plan(self, seqs: list[tuple[AcceptanceEstimate, int]], vary: bool = False) -> list[Plan]:
+        """Per sequence (its acceptance, its largest allowed k): the batch's best plan.
+
+        While plain decoding is best, the best drafting plan is still run now and then (every sequence that may
+        draft drafts at least one token): how often follows from how much it is expected to lose, so that probes
+        cost at most PROBE_BUDGET of the time, and a drafter that got better, or an estimate that dipped by chance,
+        is noticed soonest where it matters most: near the break-even. `vary` (every probe_interval steps): a
+        drafting plan drafts one token more or less, in turn, so that each cost is measured at more than one size
+        and has a slope."""
+        batch = len(seqs)
+        plain = [Plan(0)] * batch
+        plain_rate = self._rate(plain, seqs)
+        drafting, drafting_rate = None, 0.0
+        for depth in range(1, max((k_max for _, k_max in seqs), default=0) + 1):
+            plans, rate = self._plan_at(depth, seqs)
+            if any(p.k for p in plans) and rate > drafting_rate:
+                drafting, drafting_rate = plans, rate
+        self.probed = False
+        if drafting is None:  # no position pays anywhere: the probe candidate drafts one token a sequence
+            if not any(k_max for _, k_max in seqs):
+                return plain
+            drafting = [Plan(1 if k_max else 0) for _, k_max in seqs]
+            drafting_rate = self._rate(drafting, seqs)
+        if drafting_rate <= plain_rate * (1 + 1e-9):
+            self._plain_steps += 1
+            # A probe loses (1 - its rate / plain's) of its own time, in plain steps: T_probe / T_plain of them.
+            plain_time, probe_time = self._time(plain), self._time(drafting)
+            loss = (1 - drafting_rate / plain_rate) * (probe_time / plain_time if plain_time else 1.0)
+            if self._plain_steps * PROBE_BUDGET < loss:
+                return plain
+            self._plain_steps, self.probed = 0, True
+            probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
+            return self._vary(probe, seqs) if vary else probe
+        self._plain_steps = 0
+        return self._vary(drafting, seqs) if vary else drafting
+
+    def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
+        self._probes += 1
+        step = 1 if self._probes % 2 else -1
+        return [
+            Plan(min(k_max, max(1, p.k + step)), p.tree_nodes) if p.k else p
+            for p, (_, k_max) in zip(plans, seqs, strict=True)
+        ]
+
+    def _plan_at(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> tuple[list[Plan], float]:
+        batch = len(seqs)
+        per_token = self.scoring.slope(batch)
+        rate = self._rate([Plan(0)] * batch, seqs)
+        plans = [Plan(0)] * batch
+        for _ in range(ITERATIONS):
+            plans = [self._best_for(acc, min(depth, k_max), k_max, rate * per_token) for acc, k_max in seqs]
+            if not any(p.k for p in plans):
+                break
+            rate = self._rate(plans, seqs)
+        return plans, rate
+
+    def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
+        """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
+        is drafted at the sequence's full depth only (its gain is measured there)."""
+        k, alpha = 0, acc.alpha
+        while k < depth and alpha ** (k + 1) >= token_price:
+            k += 1
+        nodes = self.max_tree_nodes
+        if depth == k_max >= 1 and nodes > k_max:
+            tree_value = acc.expected_tree_gain(k_max) - token_price * nodes
+            if tree_value > acc.chain_gain(k) - token_price * k:
+                return Plan(k_max, nodes)
+        return Plan(k)
+
+    def _rate(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> float:
+        """Expected tokens per second of a plan (0 when a time is unknown and the plan is plain decoding: any
+        measured plan beats it)."""
+        batch = len(plans)
+        tokens = batch + sum(
+            acc.expected_tree_gain(p.k) if p.tree_nodes else acc.chain_gain(p.k)
+            for p, (acc, _) in zip(plans, seqs, strict=True)
+        )
+        seconds = self._time(plans)
+        return tokens / seconds if seconds > 0 else float(tokens)
+
+    def _time(self, plans: list[Plan]) -> float:
+        """A plan's expected step time: scoring, and the propose call (0 where not measured yet)."""
+        batch = len(plans)
+        seconds = self.scoring.estimate(batch, batch + sum(p.tree_nodes or p.k for p in plans)) or 0.0
+        depth = max((p.k for p in plans), default=0)
+        if depth:
+            calls = self.propose_tree if any(p.tree_nodes for p in plans) else self.propose_chain
+            seconds += calls.estimate(batch, depth) or 0.0
+        return seconds
+
+    def record_step(self, batch: int, query_tokens: int, seconds: float) -> None:
+        """A decode step's scoring time (every sequence fed one token plus its drafts)."""
+        self.scoring.add(batch, query_tokens, seconds)
+
+    def record_propose(self, batch: int, depth: int, tree: bool, seconds: float) -> None:
+        """A propose call's time on the critical path, `depth` its deepest draft request."""
+        (self.propose_tree if tree else self.propose_chain).add(batch, depth, seconds)

@@ -6,6 +6,7 @@ Per row, by its sampling parameters:
   a draft is accepted exactly when it equals that token (`seeded_verify`); no draft probabilities are read;
 - sampled: lossless rejection sampling over the drafts' sparse (or one-hot) distributions
   (`rejection_sampler.rejection_sample`).
+A token tree is walked from the root by the same three rules (`tree_verify.verify_tree`).
 A row whose numbers went bad (NaN or +inf logits, probabilities that are not a distribution) fails alone.
 Tensors stay on the model's device; the host reads the bad-row flags and the emitted ids.
 """
@@ -22,6 +23,7 @@ from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.seeded import seeded_tokens
 from verifier_service.rejection_sampler import greedy_verify, rejection_sample
 from verifier_service.sequence import Sequence
+from verifier_service.tree_verify import TreeVerdict, verify_tree
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,13 @@ class ScoredRow:
     logits: torch.Tensor  # [k + 1, vocab]
 
 
-def verify(rows: list[ScoredRow], masks: dict[str, torch.Tensor], vocab_size: int) -> list[list[int] | str]:
-    """Per row: the emitted tokens (accepted drafts, then one recovered or bonus token), or why the row failed.
+# Per row: the emitted tokens (accepted drafts, then one recovered or bonus token) and the accepted draft
+# positions (a chain's first ones; a tree's path), or why the row failed.
+Verdict = TreeVerdict
+
+
+def verify(rows: list[ScoredRow], masks: dict[str, torch.Tensor], vocab_size: int) -> list[Verdict | str]:
+    """Per row: its Verdict, or why the row failed.
 
     `masks`: the allowed tokens of constrained rows at their scored positions ([k + 1, words] bitmasks, keyed by
     seq id), applied to the logits before temperature and truncation, so every rule samples the plain decoder's
@@ -57,7 +64,8 @@ def verify(rows: list[ScoredRow], masks: dict[str, torch.Tensor], vocab_size: in
     target_probs = pad_rows(flat_probs, num_drafts + 1, k_max + 1)  # [batch, k_max + 1, vocab]
     failures = bad_rows(target_logits, target_probs, num_drafts)
     emitted: list[list[int] | str] = [failures.get(i, "") for i in range(len(rows))]
-    live = [i for i in range(len(rows)) if i not in failures]
+    trees = {i for i, row in enumerate(rows) if i not in failures and row.draft is not None and row.draft.is_tree}
+    live = [i for i in range(len(rows)) if i not in failures and i not in trees]
     for i in [i for i in live if params[i].is_seeded]:
         seed, k, position = params[i].seed, int(num_drafts[i]), rows[i].seq.output_position
         assert seed is not None
@@ -81,7 +89,16 @@ def verify(rows: list[ScoredRow], masks: dict[str, torch.Tensor], vocab_size: in
         tokens = torch.cat([r.output_token_ids for _, r in results]).tolist()
         for i, row_tokens in zip([i for group, _ in results for i in group], tokens, strict=True):
             emitted[i] = row_tokens[: row_tokens.index(-1)] if -1 in row_tokens else row_tokens
-    return emitted
+    verdicts: list[Verdict | str] = [
+        tokens if isinstance(tokens, str) else Verdict(tokens, list(range(len(tokens) - 1))) for tokens in emitted
+    ]
+    for i in sorted(trees):
+        row, n = rows[i], int(num_drafts[i]) + 1
+        assert row.draft is not None
+        verdicts[i] = verify_tree(
+            target_logits[i, :n], target_probs[i, :n], row.draft, params[i], row.seq.generator, row.seq.output_position
+        )
+    return verdicts
 
 
 def _apply_masks(
@@ -179,10 +196,12 @@ def sparse_draft_probs(drafts: list[Draft | None], draft_ids: torch.Tensor, voca
 
 
 def trim(draft: Draft, k: int) -> Draft:
-    """A drafter may propose fewer tokens than asked, never more: extra ones are cut with their probs."""
+    """A drafter may propose fewer tokens (tree nodes) than asked, never more: extra ones are cut with their
+    probs (a tree's later nodes: the ones kept still have their parents)."""
     if len(draft.token_ids) <= k:
         return draft
     probs = draft.probs
     if probs is not None:
         probs = SparseProbs(probs.token_ids[:k], probs.probs[:k])
-    return Draft(draft.seq_id, draft.committed_len, draft.token_ids[:k], probs)
+    parents = draft.parents[:k] if draft.parents is not None else None
+    return Draft(draft.seq_id, draft.committed_len, draft.token_ids[:k], probs, parents=parents)

@@ -50,6 +50,15 @@ def block_hash(parent: BlockHash, tokens: Sequence[int]) -> BlockHash:
     return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
+def tenant_root(salt: str) -> BlockHash:
+    """The chain's root for one tenant: every block hash below it differs from another tenant's, so one
+    tenant's cached blocks are never a hit for another (vLLM's `cache_salt`). '' (the anonymous tenant, and
+    every caller that has no tenants) keeps the unsalted root."""
+    if not salt:
+        return _ROOT_HASH
+    return hashlib.blake2b(b"specdec-tenant\x00" + salt.encode(), digest_size=16).digest()
+
+
 @dataclass(frozen=True)
 class PrefixMatch:
     """Cached blocks covering the first `len(blocks) * block_size` tokens of a lookup, with their hashes."""
@@ -127,8 +136,9 @@ class BlockManager:
     def can_reserve(self, seq_id: SeqId, num_tokens: int) -> bool:
         return self.blocks_needed(seq_id, num_tokens) <= self.num_free_blocks
 
-    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest run of cached blocks equal to the leading full blocks of `token_ids` (no change).
+    def match_prefix(self, token_ids: Sequence[int], salt: str = "") -> PrefixMatch:
+        """The longest run of cached blocks equal to the leading full blocks of `token_ids` (no change),
+        among those cached with the same `salt` (the tenant).
 
         Pass only tokens whose K/V may be reused: the caller keeps back the token(s) it must compute.
         """
@@ -137,7 +147,7 @@ class BlockManager:
         bs = self.block_size
         blocks: list[int] = []
         hashes: list[BlockHash] = []
-        parent = _ROOT_HASH
+        parent = tenant_root(salt)
         for start in range(0, len(token_ids) - bs + 1, bs):
             parent = block_hash(parent, token_ids[start : start + bs])
             block = self._cached.get(parent)
@@ -172,8 +182,9 @@ class BlockManager:
         self._seq_hashes[seq_id] = list(match.hashes)
         return self._num_tokens[seq_id]
 
-    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int) -> None:
-        """Register the sequence's full blocks among its first `num_tokens` slots for reuse.
+    def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int, salt: str = "") -> None:
+        """Register the sequence's full blocks among its first `num_tokens` slots for reuse, under `salt`
+        (the tenant: the same one the sequence's `match_prefix` used).
 
         `token_ids[:num_tokens]` must be committed tokens whose K/V are written in those slots (never
         draft positions). Blocks already registered are skipped, so calling this every step is cheap.
@@ -188,7 +199,7 @@ class BlockManager:
         hashes = self._seq_hashes.setdefault(seq_id, [])
         table = self._tables[seq_id]
         for i in range(len(hashes), num_tokens // bs):
-            h = block_hash(hashes[-1] if hashes else _ROOT_HASH, token_ids[i * bs : (i + 1) * bs])
+            h = block_hash(hashes[-1] if hashes else tenant_root(salt), token_ids[i * bs : (i + 1) * bs])
             hashes.append(h)
             block = table[i]
             known = self._hash_of.get(block)

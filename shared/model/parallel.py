@@ -73,14 +73,36 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 PACK_ROWS = 8
 
 
+def half_kernels(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has product kernels of its own for this half dtype on this CPU (bf16: AVX-512 BF16, AMX or
+    AVX-NE-CONVERT; fp16: AVX-512 FP16, AMX-FP16 or AVX-NE-CONVERT). Without them a bf16 or fp16 product is made
+    of conversions to fp32 and fp32 multiply-adds whichever library does it."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] reordered once, at load, into oneDNN's blocked layout: an opaque tensor that only
     `linear` reads. Left plain, oneDNN lays the weight out again inside every product of more than one row:
     over the default target's weights (one thread) 2 rows cost 2x one row, 5 rows 2.4x; packed, 1.3x and
     1.7x. In the whole forward at batch 1 (two threads) scoring 5 tokens went from 1.47x to 1.24x a one-token
-    step (`specdec_bench.packing_bench`). Weights `linear` would not send to oneDNN come back unchanged."""
-    if _ONEDNN and weight.dim() == 2 and weight.device.type == "cpu" and weight.dtype == torch.float32:
+    step (`specdec_bench.packing_bench`).
+
+    A bf16 or fp16 weight is packed in its own dtype where oneDNN has kernels for it (`half_kernels`), else as
+    fp32 holding the same values (each bf16 or fp16 number is exactly an fp32 one), for `linear` to multiply in
+    fp32 and round once to the half dtype: what a half-precision product that accumulates in fp32 computes, at
+    fp32's speed, where torch's own bf16 product of 5 and 8 rows cost 2.7x and 3.4x the packed fp32 one (AVX2,
+    one thread, 30 copies of the 3072 x 576 MLP weight in turn). Weights `linear` would not send to oneDNN come
+    back unchanged."""
+    if not (_ONEDNN and weight.dim() == 2 and weight.device.type == "cpu"):
+        return weight
+    if weight.dtype == torch.float32 or half_kernels(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
+    if weight.dtype in (torch.bfloat16, torch.float16):
+        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), PACK_ROWS)
     return weight
 
 
@@ -90,10 +112,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     one row's cost, which is what makes scoring k + 1 tokens nearly as cheap as one. At one row (plain
     decoding) oneDNN also beat MKL's gemv, by 1.4-1.6x over the model's 121 weight matrices in turn (each
     read from memory, as in a real step); only a single weight hot in cache favours MKL. Both accumulate
-    in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`."""
+    in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`; a half-precision `x` on
+    an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype."""
     if weight.is_mkldnn:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
-        out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        if rows.dtype == weight.dtype:
+            out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+        else:
+            fp32_bias = None if bias is None else bias.float()
+            out = torch.ops.mkldnn._linear_pointwise(rows.float(), weight, fp32_bias, "none", [], "").to(x.dtype)
         return out.view(*x.shape[:-1], out.shape[-1])
     if _ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")

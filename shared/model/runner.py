@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, build_metadata, select_backend, tree_of_parents
+from shared.model.attention import SeqSpan, TreeSpec, build_metadata, select_backend
 from shared.model.llama import LlamaModel
 
 FINAL_LAYER = (-1,)  # the features of an EAGLE-1 head: the final normed hidden states
@@ -17,19 +17,17 @@ FINAL_LAYER = (-1,)  # the features of an EAGLE-1 head: the final normed hidden 
 class ForwardItem:
     """`token_ids` are written at positions num_cached.. of the sequence whose blocks are `block_table`;
     logits are returned for the last `num_logits` of them (0 for a prefill chunk that is not the last).
-    `tree_parents`: the last len(tree_parents) tokens are a draft tree's nodes, each with its parent's index
-    (-1: the token before the nodes), scored with tree attention (shared/model/attention.py)."""
+    `tree`: the last tokens are a token tree's nodes, scored with tree attention (shared/model/attention.py;
+    `tree_of_parents` makes one from the nodes' parents)."""
 
     block_table: list[int]
     num_cached: int
     token_ids: list[int]
     num_logits: int
-    tree_parents: tuple[int, ...] | None = None
+    tree: TreeSpec | None = None
 
     def span(self) -> SeqSpan:
-        num_new = len(self.token_ids)
-        tree = None if self.tree_parents is None else tree_of_parents(self.num_cached, num_new, list(self.tree_parents))
-        return SeqSpan(self.block_table, self.num_cached, num_new, tree)
+        return SeqSpan(self.block_table, self.num_cached, len(self.token_ids), self.tree)
 
 
 class ModelRunner:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from shared.errors import UnavailableError
 from shared.kv.cache import KVCache
+from shared.model.attention import TreeSpec
 from shared.model.config import ModelArch
 from shared.model.parallel import TensorParallel
 from shared.model.runner import FINAL_LAYER, ForwardItem, ModelRunner
@@ -183,14 +184,27 @@ class Channel:
 
 
 def encode_items(items: list[ForwardItem]) -> list[list[Any]]:
-    return [[it.block_table, it.num_cached, it.token_ids, it.num_logits, it.tree_parents] for it in items]
+    return [
+        [
+            it.block_table,
+            it.num_cached,
+            it.token_ids,
+            it.num_logits,
+            None if it.tree is None else dataclasses.astuple(it.tree),
+        ]
+        for it in items
+    ]
 
 
 def decode_items(rows: list[list[Any]]) -> list[ForwardItem]:
     return [
-        ForwardItem(table, cached, tokens, num_logits, None if tree is None else tuple(tree))
+        ForwardItem(table, cached, tokens, num_logits, None if tree is None else _tree(*tree))
         for table, cached, tokens, num_logits, tree in rows
     ]
+
+
+def _tree(prefix_len: int, positions: list[int], visible: list[list[int]]) -> TreeSpec:
+    return TreeSpec(prefix_len, tuple(positions), tuple(tuple(v) for v in visible))
 
 
 # ---- rank 0's handle ----------------------------------------------------------------------------

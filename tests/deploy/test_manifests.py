@@ -223,17 +223,33 @@ def test_network_policies_only_gateway_to_verifiers_only_verifiers_to_proposers(
     assert [p["port"] for r in gateway_rules for p in r["ports"]] == [gateway.port, gateway.http_port]
 
 
+def min_replicas(docs: tuple[dict, ...], component: str) -> int:
+    """The fewest pods the component runs: the autoscaler's minimum, else the Deployment's replicas."""
+    name = f"specdec-{component}"
+    hpas = [h for h in of_kind(docs, "HorizontalPodAutoscaler") if h["spec"]["scaleTargetRef"]["name"] == name]
+    return hpas[0]["spec"]["minReplicas"] if hpas else deployment(docs, component)["spec"].get("replicas", 1)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_disruption_budgets_and_gateway_autoscaler(overlay):
+def test_disruption_budgets_protect_a_pod_and_gateway_autoscaler(overlay):
+    """Issue 26, point 9: a budget that lets every pod go protects nothing. Each budget keeps at least one pod
+    of its service through a drain (maxUnavailable below the fewest replicas), the gateway has one in every
+    overlay, and a service without one runs a single pod (no budget can keep it up through a drain)."""
     docs = render(overlay)
     for component in SERVICES:
         labels = pod_labels(deployment(docs, component))
         pdbs = [p for p in of_kind(docs, "PodDisruptionBudget") if selects(p["spec"]["selector"], labels)]
-        assert len(pdbs) == 1 and pdbs[0]["spec"]["maxUnavailable"] == 1
+        fewest = min_replicas(docs, component)
+        assert len(pdbs) <= 1
+        if component == "gateway" or fewest > 1:
+            assert len(pdbs) == 1, f"{overlay}: {component} runs {fewest} pods and has no budget"
+        for pdb in pdbs:
+            assert "minAvailable" not in pdb["spec"]
+            assert 1 <= pdb["spec"]["maxUnavailable"] < fewest, f"{overlay}: {component}'s budget protects nothing"
     (hpa,) = of_kind(docs, "HorizontalPodAutoscaler")
     assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "specdec-gateway"}
     assert "replicas" not in deployment(docs, "gateway")["spec"]  # the autoscaler owns the count
-    assert 1 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
+    assert 2 <= hpa["spec"]["minReplicas"] < hpa["spec"]["maxReplicas"]
     for doc in docs:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "specdec", doc["metadata"]["name"]
@@ -305,6 +321,17 @@ def test_tracing_component_collector_and_jaeger_are_wired():
     for rule in allowed_ingress(docs, jaeger_pods):
         if any(p["port"] == 4317 for p in rule["ports"]):
             assert [selects(peer["podSelector"], pod_labels(dep)) for peer in rule["from"]] == [True]
+    # Issue 26, point 9: the Jaeger UI and the collector's Prometheus endpoint are open to no pod (a rule
+    # without `from`, or any rule naming them, would open them); port-forward reaches them.
+    open_ports = {
+        p["port"]
+        for labels in (pod_labels(dep), jaeger_pods)
+        for r in allowed_ingress(docs, labels)
+        for p in r["ports"]
+    }
+    assert open_ports == {4317, 4318}
+    for labels in (pod_labels(dep), jaeger_pods):
+        assert all(rule.get("from") for rule in allowed_ingress(docs, labels))
 
 
 def test_policy_skips_are_justified_in_the_docs():
@@ -359,6 +386,14 @@ def test_tls_component_internal_ca_certificates_mounts_and_settings():
     for svc in of_kind(docs, "Service"):
         if svc["metadata"]["name"] in ("specdec-gateway", "specdec-verifier-headless", "specdec-proposer"):
             assert svc["spec"]["ports"][0]["appProtocol"] == "https"  # TLS, no longer cleartext h2c
+    # Issue 26, point 9: one CA signs every service's certificate, so each internal server names the one
+    # caller it admits, and that name is in the caller's certificate only.
+    for server, caller in (("verifier", "gateway"), ("proposer", "verifier")):
+        (allowed,) = configs[server].tls_allowed_client_names
+        for component in SERVICES:
+            cert = certificate_for(docs, f"specdec-{component}-tls")["spec"]
+            names = {cert["commonName"], *cert["dnsNames"]}
+            assert (allowed in names) is (component == caller), (server, component)
 
 
 def test_overlays_without_the_tls_component_stay_plaintext():

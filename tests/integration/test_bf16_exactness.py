@@ -57,9 +57,11 @@ def test_bf16_greedy_equals_transformers_bf16(hf_bf16, prompts):
     equal, report = 0, []
     for i in range(NUM_PROMPTS):
         with torch.no_grad():
+            # eos_token_id None: EOS is an ordinary token on both sides, as our ignore_eos makes it (min_new_tokens
+            # would instead forbid it, and a prompt whose argmax is EOS then fails with an infinite gap).
             gen = hf_bf16.generate(
-                torch.tensor([prompts[i]]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False,
-                output_scores=True, return_dict_in_generate=True,
+                torch.tensor([prompts[i]]), max_new_tokens=MAX_TOKENS, eos_token_id=None, pad_token_id=0,
+                do_sample=False, output_scores=True, return_dict_in_generate=True,
             )  # fmt: skip
         ref = gen.sequences[0, len(prompts[i]) :].tolist()
         got = outputs[i]

@@ -20,7 +20,11 @@ pytestmark = pytest.mark.slow
 FULL_MATRIX = os.environ.get("SPECDEC_FULL_MATRIX") == "1"
 # The EAGLE head at k = 1 and 5 too under `make test-full`; k = 1/3/5 through gRPC are in the service tests.
 EAGLE_KS = (1, 3, 5) if FULL_MATRIX else (3,)
+# "-tree": the drafter sends token trees of up to TREE_NODES nodes, k deep.
+TREE_NODES = 8
 COMBOS = [(kind, k) for kind in ("draft", "ngram") for k in (1, 3, 5)] + [("eagle", k) for k in EAGLE_KS]
+TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4)]
+COMBOS += TREE_COMBOS if FULL_MATRIX else TREE_COMBOS[:1]  # the others at batch 1 below (cheaper), all in full
 
 
 def make_engine(
@@ -33,8 +37,13 @@ def make_engine(
     max_model_len: int = 1024,
     adaptive_k: bool = False,  # fixed k: every step drafts k tokens, the hard case for exactness
 ) -> Engine:
+    kind, tree = kind.removesuffix("-tree"), kind.endswith("-tree")
     config = EngineConfig(
-        num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=max_model_len, adaptive_k=adaptive_k
+        num_speculative_tokens=k,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        adaptive_k=adaptive_k,
+        max_tree_nodes=TREE_NODES if tree else 0,
     )
     cache = CacheConfig(block_size=16, num_blocks=num_blocks)
     drafter: Drafter | None = None
@@ -81,7 +90,7 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
     assert len(outputs) == len(prompts)
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 8")
     assert engine.stats.drafted_tokens > 0
-    if kind in ("draft", "eagle"):
+    if kind.removesuffix("-tree") in ("draft", "eagle"):
         assert engine.stats.accepted_tokens > 0
 
 
@@ -98,7 +107,7 @@ def test_adaptive_draft_length(target, draft, prompts, greedy_references):
     assert_same(outputs, greedy_references, "draft adaptive k batch 8")
 
 
-BATCH1_COMBOS = [("none", 0), *COMBOS]
+BATCH1_COMBOS = [("none", 0), *dict.fromkeys([*COMBOS, *TREE_COMBOS])]
 
 
 def batch1_assignment() -> list[tuple[str, int, list[int]]]:
@@ -120,7 +129,7 @@ def test_batch_1(target, draft, prompts, greedy_references, kind, k, indices):
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 1")
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3)])
+@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3), ("eagle-tree", 4)])
 def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind, k):
     # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 16 blocks (room for one 240-token
     # sequence) force preemption by recompute.
@@ -143,7 +152,7 @@ def plain_greedy(target, prompt: list[int], max_tokens: int) -> list[int]:
     return _PLAIN[tuple(prompt)]
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 1), ("draft", 4), ("ngram", 3), ("eagle", 4)])
+@pytest.mark.parametrize(("kind", "k"), [("draft", 1), ("draft", 4), ("ngram", 3), ("eagle", 4), ("eagle-tree", 4)])
 def test_prefix_cache_across_turns_keeps_output(target, draft, prompts, greedy_references, kind, k):
     """Three turns of two conversations sharing a first user turn (a shared "system prompt"), cache on."""
     engine = make_engine(target, draft, kind, k, max_num_seqs=2)

@@ -122,6 +122,42 @@ def test_mixed_batch_greedy_is_exact_and_features_are_the_targets(head_dir, fuse
     run(body())
 
 
+@pytest.mark.parametrize(("k", "nodes", "prompts"), [(3, 8, PROMPTS[:1]), (4, 10, MIXED)], ids=["batch-1", "mixed-8"])
+def test_token_trees_over_grpc_are_exact(head_dir, k, nodes, prompts):
+    """The verifier asks for trees; the head drafts them (EAGLE-2's dynamic tree); the output is the target's."""
+
+    async def body():
+        proposer = await start_eagle(head_dir)
+        verifier = await start_verifier(
+            [f"127.0.0.1:{proposer.port}"], num_speculative_tokens=k, max_num_seqs=8, max_tree_nodes=nodes
+        )
+        drafted = []
+        drafter = proposer.servicer.drafter.inner
+        propose = drafter.propose
+
+        def spy(requests):
+            drafts = propose(requests)
+            drafted.extend(d for d in drafts if d.token_ids)
+            return drafts
+
+        drafter.propose = spy
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                results = await asyncio.gather(*(collect(stub, request(p, 40)) for p in prompts))
+                for prompt, (tokens, _) in zip(prompts, results, strict=True):
+                    assert tokens == reference(tuple(prompt), 40)
+                s = await stats(stub)
+                assert s.drafted_tokens > 0 and s.invalid_drafts == 0
+        finally:
+            await verifier.shutdown(0.5)
+            await proposer.shutdown(0.1)
+        assert drafted and all(d.parents is not None and len(d.token_ids) <= nodes for d in drafted)
+        assert any(d.parents.count(-1) > 1 for d in drafted)  # branches under the root travelled
+
+    run(body())
+
+
 def test_proposer_killed_mid_stream_falls_back_exactly(head_dir):
     async def body():
         proposer = await start_eagle(head_dir)

@@ -16,6 +16,7 @@ reproducible and bounded.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import threading
@@ -23,6 +24,7 @@ from collections.abc import Coroutine
 from typing import Any
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, example, given, settings
@@ -34,6 +36,7 @@ from gateway.server import start_gateway
 from shared.errors import InvalidRequestError
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.sampling import SamplingParams
+from tests.service.test_gateway import free_port
 from tests.service.test_proposer_service import MAX_LEN, VOCAB
 from tests.service.test_verifier_service import PROMPTS, reference, start_proposer, start_verifier
 
@@ -53,7 +56,6 @@ TOKENIZER_VOCAB = 49152
 CONFIG = dict(
     host="127.0.0.1",
     port=0,
-    http_port=0,
     health_check_interval_s=0.2,
     drain_timeout_s=0.5,
     default_max_tokens=8,  # an unset max_tokens stays cheap
@@ -198,7 +200,10 @@ class Stack:
         self.proposer = await start_proposer()
         self.verifier = await start_verifier([f"127.0.0.1:{self.proposer.port}"], num_kv_blocks=KV_BLOCKS)
         address = f"127.0.0.1:{self.verifier.port}"
-        self.gateway = await start_gateway(GatewayConfig(verifiers=(address,), **CONFIG), tokenizer=tokenizer)
+        self.gateway = await start_gateway(
+            GatewayConfig(verifiers=(address,), http_port=free_port(), **CONFIG), tokenizer=tokenizer
+        )
+        self.http = httpx.AsyncClient(base_url=self.gateway.http_url, timeout=CALL_TIMEOUT_S)
         self.gateway_channel = grpc.aio.insecure_channel(self.gateway.address)
         self.verifier_channel = grpc.aio.insecure_channel(address)
         self.stub = gateway_pb2_grpc.GatewayStub(self.gateway_channel)
@@ -248,6 +253,16 @@ class Stack:
         except grpc.aio.AioRpcError as err:
             return err.code(), err.details() or "", []
 
+    async def http_call(self, path: str, body: Any) -> tuple[int, dict[str, Any] | None, str]:
+        """(status, JSON reply or None, raw text) of one HTTP request; `body` is JSON-encoded unless bytes."""
+        content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=True).encode()
+        reply = await self.http.post(path, content=content, headers={"content-type": "application/json"})
+        try:
+            parsed = reply.json()
+        except ValueError:
+            parsed = None
+        return reply.status_code, parsed, reply.text
+
     async def health(self) -> list[int]:
         checks = [
             (self.gateway_channel, ""),
@@ -277,6 +292,8 @@ class Stack:
         for name in ("gateway_channel", "verifier_channel"):
             if hasattr(self, name):
                 await getattr(self, name).close()
+        if hasattr(self, "http"):
+            await self.http.aclose()
         if hasattr(self, "gateway"):
             await self.gateway.stop(0)
         if hasattr(self, "verifier"):
@@ -397,10 +414,15 @@ def test_fuzzed_requests_end_with_a_documented_status_and_hurt_no_other_request(
     finally:
         servers.stop_greedy.set()
         logging.getLogger().removeHandler(errors)
-    streams = greedy.result(120)
     print("fuzz statuses:", seen)  # shown with pytest -s
-    assert streams and all(tokens == reference(prompt, LONG) for prompt, tokens in streams)
     assert {"OK", "INVALID_ARGUMENT", "RESOURCE_EXHAUSTED", "CANCELLED"} <= set(seen)
+    check_nothing_hurt(portal, servers, greedy.result(120), errors)
+
+
+def check_nothing_hurt(portal: LoopThread, servers: Stack, streams: list[Any], errors: ErrorLog) -> None:
+    """After a fuzzing run: the greedy streams beside it were exact, nothing logged an error, both services
+    serve, and every request ended with its KV blocks free."""
+    assert streams and all(tokens == reference(prompt, LONG) for prompt, tokens in streams)
     assert errors.records == []
     serving = health_pb2.HealthCheckResponse.SERVING
     assert portal.run(servers.health()) == [serving] * 4
@@ -434,3 +456,136 @@ def test_frontend_refuses_a_request_or_prepares_valid_sampling(tokenizer, fields
     assert prepared.prompt_ids and (not max_model_len or len(prepared.prompt_ids) < max_model_len)
     assert all(0 <= t < limit for t in req.prompt_token_ids)
     assert prepared.request_id == "internal" and prepared.max_tokens_explicit == ("max_tokens" in fields)
+
+
+# ---- the HTTP endpoints and the output formats (issue 26) ---------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+FORMAT_SPECS = st.one_of(
+    st.just(json.dumps(SCHEMA)),
+    st.sampled_from(
+        ['{"type": "integr"}', "{", "[" * 5000 + "]" * 5000, '{"items":' * 80 + "{}" + "}" * 80, "x" * 270_000]
+    ),
+    st.text(max_size=40),
+)
+HTTP_FORMATS = st.one_of(
+    st.just({}),
+    st.builds(lambda spec: {"guided_json": spec}, FORMAT_SPECS),
+    st.builds(
+        lambda spec: {"guided_regex": spec},
+        st.one_of(st.sampled_from(["[0-9]{3}", "(", "(" * 300 + ")" * 300]), st.text(max_size=20)),
+    ),
+    st.builds(
+        lambda spec: {"guided_grammar": spec}, st.sampled_from(['root ::= "yes" | "no"', "start: x", "root ::= "])
+    ),
+    st.sampled_from(
+        [
+            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+            {"response_format": "json"},
+            {"response_format": {"type": "json_schema"}},
+            {"structured_outputs": {"regex": "[a-c]+"}},
+            {"structured_outputs": {"json": SCHEMA, "regex": "a"}},
+            {"guided_choice": ["a", "b"]},
+        ]
+    ),
+)
+ROLES = st.one_of(st.sampled_from(["user", "system", "assistant", "", "u" * 65]), st.text(max_size=10))
+# Numbers as JSON has them: past every proto type, and of the wrong JSON type.
+WILD_NUMBER = st.one_of(
+    st.sampled_from([2**31, 2**32, 2**63, 2**64, -(2**63), 10**30, 1e39, -1e39, 0.5, "7", None, True, [1]]), INT32
+)
+NUMERIC_FIELDS = ["max_tokens", "top_k", "max_draft_tokens", "seed", "temperature", "top_p", "min_p", "logprobs", "n"]
+
+
+@st.composite
+def http_bodies(draw: st.DrawFn) -> tuple[str, Any]:
+    """(path, body): a completions or chat body from the gRPC fields' strategies, with wild numbers, formats
+    and roles mixed in; sometimes bytes that are not a body at all."""
+    kind = draw(st.sampled_from(["completions", "completions", "chat", "raw"]))
+    if kind == "raw":
+        raw = draw(
+            st.sampled_from(
+                [
+                    b"",
+                    b"{",
+                    b"[]",
+                    b"null",
+                    b'{"prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}",
+                    b"\xff\xfe",
+                    b'{"prompt": "hi"}' * 2,
+                ]
+            )
+        )
+        return "/v1/completions", raw
+    fields = draw(request_fields())
+    body: dict[str, Any] = {
+        k: v
+        for k, v in fields.items()
+        if k
+        in (
+            "max_tokens",
+            "temperature",
+            "top_p",
+            "top_k",
+            "min_p",
+            "seed",
+            "stop",
+            "stop_token_ids",
+            "ignore_eos",
+            "max_draft_tokens",
+            "session_id",
+        )
+    }
+    for name in draw(st.lists(st.sampled_from(NUMERIC_FIELDS), max_size=2)):
+        body[name] = draw(WILD_NUMBER)
+    body.update(draw(HTTP_FORMATS))
+    body["stream"] = draw(st.booleans())
+    if kind == "chat":
+        n = draw(st.sampled_from([0, 1, 2, 3, 1025]))
+        role, content = draw(ROLES), draw(st.one_of(LOW_TEXT, st.text(max_size=30)))
+        body["messages"] = [{"role": role, "content": content}] * n
+        body.pop("logprobs", None)
+        return "/v1/chat/completions", body
+    body["prompt"] = fields.get("prompt") or list(fields.get("prompt_token_ids", [])) or draw(LOW_TEXT)
+    return "/v1/completions", body
+
+
+HTTP_ALLOWED = {200, 400, 404, 413, 429}
+
+
+def test_fuzzed_http_requests_are_answered_without_500_and_hurt_no_other_request(stack):
+    """The same property over the OpenAI HTTP port, structured-output fields and out-of-range numbers
+    included: 2xx or a documented 4xx with an OpenAI error body, never 5xx; greedy streams stay exact."""
+    portal, servers = stack
+    errors = ErrorLog()
+    logging.getLogger().addHandler(errors)
+    servers.stop_greedy.clear()
+    greedy = asyncio.run_coroutine_threadsafe(servers.greedy_streams(), portal.loop)
+    seen: dict[int, int] = {}
+
+    @settings(max_examples=120, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+    @given(case=http_bodies())
+    @example(("/v1/completions", {"prompt": "hi", "top_k": 2**32}))
+    @example(("/v1/completions", {"prompt": "hi", "guided_json": "[" * 100_000 + "]" * 100_000}))
+    @example(("/v1/chat/completions", {"messages": [{"role": "u" * 5000, "content": "hi"}]}))
+    @example(("/v1/completions", {"prompt": [1] * 10_000}))  # over --max-request-bytes (16 KiB): 413
+    def one_call(case: tuple[str, Any]) -> None:
+        path, body = case
+        status, reply, text = portal.run(servers.http_call(path, body))
+        seen[status] = seen.get(status, 0) + 1
+        event(f"{path} {status}")
+        assert status in HTTP_ALLOWED, (status, text[:300])
+        if status != 200:
+            message = (reply or {}).get("error", {}).get("message", "")
+            assert message.strip() and message.isprintable() and len(message) <= 500, text[:300]
+            assert "Error:" not in message and "Traceback" not in message  # no exception types or stacks
+
+    try:
+        one_call()
+    finally:
+        servers.stop_greedy.set()
+        logging.getLogger().removeHandler(errors)
+    print("http fuzz statuses:", seen)
+    assert {200, 400, 413} <= set(seen)
+    check_nothing_hurt(portal, servers, greedy.result(120), errors)

@@ -12,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import trustme
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway import client as cli
 from gateway import health_probe
@@ -55,7 +56,8 @@ class Identity:
     def rotate(self, ca: trustme.CA) -> bytes:
         """A new leaf from `ca`; returns its DER."""
         self.version += 1
-        leaf = ca.issue_cert(SERVER_NAME, "127.0.0.1", common_name=f"{self.dir.name}-v{self.version}")
+        # The folder's name is also a DNS name of the certificate: the identity --tls-allowed-client-names checks.
+        leaf = ca.issue_cert(SERVER_NAME, "127.0.0.1", self.dir.name, common_name=f"{self.dir.name}-v{self.version}")
         data = self.dir / f"..v{self.version}"
         data.mkdir()
         leaf.cert_chain_pems[0].write_to_path(str(data / "tls.crt"))
@@ -235,11 +237,13 @@ def test_gateway_server_only_tls_in_front_of_mutual_tls(pki):
     run(body())
 
 
-def peer_certificate(port: int, client: Identity) -> bytes:
-    """The certificate a NEW connection gets from the server (stdlib ssl, gRPC's ALPN)."""
+def peer_certificate(port: int, client: Identity, grpc_port: bool = True) -> bytes:
+    """The certificate a NEW connection gets from the server (stdlib ssl): a gRPC port (gRPC's ALPN, the client's
+    certificate presented) or, with grpc_port=False, the gateway's HTTPS port (no client certificate)."""
     context = ssl.create_default_context(cafile=str(client.dir / "ca.crt"))
-    context.load_cert_chain(str(client.dir / "tls.crt"), str(client.dir / "tls.key"))
-    context.set_alpn_protocols(["h2"])
+    if grpc_port:
+        context.load_cert_chain(str(client.dir / "tls.crt"), str(client.dir / "tls.key"))
+        context.set_alpn_protocols(["h2"])
     with (
         socket.create_connection(("127.0.0.1", port), timeout=5) as sock,
         context.wrap_socket(sock, server_hostname=SERVER_NAME) as tls,
@@ -312,5 +316,79 @@ def test_health_probe_over_mutual_tls(pki, monkeypatch):
             assert await asyncio.to_thread(health_probe.main, [address]) == 1  # plaintext to a TLS port
         finally:
             await proposer.shutdown(0.1)
+
+    run(body())
+
+
+def test_https_port_rotates_its_certificate_like_the_grpc_port_while_a_stream_completes(pki):
+    """Issue 26, point 6: uvicorn read the certificate once; now each new connection checks the files first."""
+    from tests.service.test_gateway import free_port, start_fake
+
+    tokenizer = load_tokenizer(default_target_model())
+
+    async def body():
+        import httpx
+
+        fs = await start_fake(delay=0.05)
+        config = GatewayConfig(
+            verifiers=(fs.address,), host="127.0.0.1", port=0, http_port=free_port(), drain_timeout_s=0.5,
+            health_check_interval_s=0.2, tls_cert_file=pki["gateway"].files["tls_cert_file"],
+            tls_key_file=pki["gateway"].files["tls_key_file"],  # no CA: plaintext to the fake verifier
+        )  # fmt: skip
+        gateway = await start_gateway(config, tokenizer=tokenizer)
+        port = gateway.http.port
+        ca = str(pki["client"].dir / "ca.crt")
+        try:
+            before = await asyncio.to_thread(peer_certificate, port, pki["client"], False)
+            async with httpx.AsyncClient(
+                base_url=f"https://localhost:{port}", verify=ssl.create_default_context(cafile=ca)
+            ) as http:
+                body = {"prompt": "Hi", "max_tokens": 40, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as stream:
+                    lines = stream.aiter_lines()
+                    assert (await anext(lines)).startswith("data: ")
+                    rotated = pki["gateway"].rotate(pki["cluster"])  # the Secret is updated: no restart
+                    after = await asyncio.to_thread(peer_certificate, port, pki["client"], False)
+                    assert after == rotated != before
+                    rest = [line async for line in lines if line]
+                    assert rest[-1] == "data: [DONE]"  # the stream opened before the rotation ended normally
+            # A half-rotated Secret (the key of another certificate) keeps the current one.
+            trustme.CA().issue_cert(SERVER_NAME).private_key_pem.write_to_path(str(pki["gateway"].dir / "tls.key"))
+            assert await asyncio.to_thread(peer_certificate, port, pki["client"], False) == rotated
+            assert gateway.http.tls is not None and gateway.http.tls.reloads == 1
+        finally:
+            await gateway.stop(0)
+            await fs.server.stop(0)
+
+    run(body())
+
+
+def test_only_the_allowed_client_certificate_may_call_the_verifiers_api(pki):
+    """Issue 26, point 9: every service's certificate comes from one CA, so mutual TLS alone would let the
+    proposer's certificate call the verifier's Generate. --tls-allowed-client-names admits the gateway's only;
+    health stays open to every certificate of the CA (the pods' own probes)."""
+
+    async def body():
+        verifier = await start_verifier(**pki["verifier"].files, tls_allowed_client_names=("gateway",))
+        try:
+            assert (await get_stats(verifier.port, pki["gateway"].client())).model
+            for name in ("proposer", "client"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await get_stats(verifier.port, pki[name].client())
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED, name
+                async with aio_channel(f"127.0.0.1:{verifier.port}", pki[name].client()) as channel:
+                    stub = verifier_pb2_grpc.VerifierStub(channel)
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        async for _ in stub.Generate(
+                            verifier_pb2.VerifierGenerateRequest(prompt_token_ids=[1, 2], max_tokens=2)
+                        ):
+                            pass
+                    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                    health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+                    assert health.status == health_pb2.HealthCheckResponse.SERVING
+            for name, tls in clients(pki).items():  # the CA still decides first: refused before any name check
+                await refused(get_stats(verifier.port, tls), name)
+        finally:
+            await verifier.shutdown(0)
 
     run(body())

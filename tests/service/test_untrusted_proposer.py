@@ -13,6 +13,7 @@ import math
 import random
 
 import grpc
+import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import given, settings
@@ -69,6 +70,7 @@ class HostileProposer(proposer_pb2_grpc.ProposerServicer):
 
     def __init__(self, fuzz_seed: int | None = None) -> None:
         self.sent_bad = 0
+        self.kinds_sent: set[str] = set()
         self.steps = 0
         self.rng = random.Random(fuzz_seed) if fuzz_seed is not None else None
 
@@ -82,8 +84,10 @@ class HostileProposer(proposer_pb2_grpc.ProposerServicer):
             for s in req.sequences:
                 if self.rng is not None:
                     drafts.append(self._garbage(s))
-                elif s.k:
-                    drafts.append(bad_draft(BAD_KINDS[self.steps % len(BAD_KINDS)], s))
+                elif s.k:  # kinds take turns per draft: a sequence's resync budget ends its drafting early
+                    kind = BAD_KINDS[self.sent_bad % len(BAD_KINDS)]
+                    drafts.append(bad_draft(kind, s))
+                    self.kinds_sent.add(kind)
                     self.sent_bad += 1
                 else:
                     drafts.append(proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len))
@@ -125,7 +129,7 @@ def test_each_kind_of_malformed_draft_is_dropped_counted_and_changes_nothing():
                     assert tokens == reference(tuple(prompt), MAX_TOKENS)
                 assert len(results[-1][0]) == MAX_TOKENS  # the sampled stream ran to its end, too
                 engine_stats = await stats(stub)
-                assert hostile.steps > len(BAD_KINDS)  # every kind was sent at least once
+                assert hostile.kinds_sent == set(BAD_KINDS)  # every kind was sent at least once
                 assert engine_stats.invalid_drafts == hostile.sent_bad == verifier.proposer.invalid_drafts
                 assert engine_stats.drafted_tokens == 0  # not one bad draft token reached the target
         finally:
@@ -157,6 +161,238 @@ def test_a_fuzzing_proposer_never_breaks_a_greedy_stream_or_the_service():
                 engine_stats = await stats(stub)
                 assert fuzzer.steps > 10 and engine_stats.invalid_drafts > 0
                 assert engine_stats.running_requests == 0 and engine_stats.kv_blocks_used == 0
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    run(body())
+
+
+# ---- size: issue 26, point 3 ----------------------------------------------------------------------
+
+
+class WideProposer(HostileProposer):
+    """Answers the first sequence of each step with a draft whose one position has `width` entries: valid in
+    value (ids in the vocabulary, repeated; probabilities summing to 1, the drafted token covered), unbounded
+    in size; the others with a valid one-hot draft. Records the max_draft_support each handshake stated."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+        self.stated: list[int] = []
+        # built once: the proposer's own side of this in-process test costs the same each step
+        self.wide = proposer_pb2.Draft(
+            draft_token_ids=[5], draft_prob_counts=[width], draft_prob_token_ids=[5] * width,
+            draft_probs=[1.0 / width] * width,
+        )  # fmt: skip
+
+    async def GetInfo(self, request, context):
+        self.stated.append(request.max_draft_support)
+        return await super().GetInfo(request, context)
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.steps += 1
+            drafts = []
+            wide_sent = False
+            for s in req.sequences:
+                draft = proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len)
+                if s.k and not wide_sent:
+                    draft.MergeFrom(self.wide)
+                    self.sent_bad += 1
+                    wide_sent = True
+                elif s.k:
+                    draft.draft_token_ids.append(5)
+                drafts.append(draft)
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id, drafts=drafts)
+
+
+class PeakRss:
+    """The process's resident memory sampled every 5 ms in a thread: the peak above the start, in MB."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.start = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * 4096
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self._rss())
+
+    def stop(self) -> float:
+        self._stop.set()
+        self._thread.join()
+        return (self.peak - self.start) / 2**20
+
+
+WIDE = 400_000  # entries at one draft position: a 2 MB reply
+WIDE_BATCH = [[(7 * i + j) % VOCAB for j in range(5 + i)] for i in range(8)]
+
+
+def serve_wide_proposer(port: int, width: int) -> None:
+    """Entry point of the hostile proposer's own process (so that its memory is not the verifier's)."""
+
+    async def serve() -> None:
+        server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 << 20)])
+        proposer_pb2_grpc.add_ProposerServicer_to_server(WideProposer(width), server)
+        server.add_insecure_port(f"127.0.0.1:{port}")
+        await server.start()
+        await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+def test_a_wide_draft_from_a_proposer_process_is_dropped_and_counted_and_the_rest_goes_on():
+    """One position with 400,000 entries (a 2 MB reply) from a proposer in its own process, beside valid
+    drafts of the other 7 sequences of the batch: main accepted it (and padded every row of the batch to it);
+    now it is dropped and counted while the valid drafts are used and every output stays exact. That nothing
+    of it is read is test_unpack_draft_reads_no_entry_of_an_over_wide_draft's; what receiving it costs is
+    bounded by the channel's 64 MiB."""
+    import subprocess
+    import sys
+
+    from tests.service.test_gateway import free_port
+
+    port = free_port()
+    code = f"from tests.service.test_untrusted_proposer import serve_wide_proposer; serve_wide_proposer({port}, {WIDE})"
+    proposer = subprocess.Popen([sys.executable, "-c", code])
+
+    async def body():
+        verifier = await start_verifier([f"127.0.0.1:{port}"], wait=False)
+        try:
+            await verifier.proposer.wait_connected(30)
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                rss = PeakRss()  # printed only: in-process RSS mixes in the batch's own work and gRPC's buffers
+                results = await asyncio.gather(*(collect(stub, request(p, MAX_TOKENS)) for p in WIDE_BATCH))
+                grew_mb = rss.stop()
+                for prompt, (tokens, _) in zip(WIDE_BATCH, results, strict=True):
+                    assert tokens == reference(tuple(prompt), MAX_TOKENS)
+                engine_stats = await stats(stub)
+                print(f"peak RSS growth {grew_mb:.0f} MB, invalid drafts {engine_stats.invalid_drafts}")  # -s shows it
+                assert engine_stats.invalid_drafts > 0 and engine_stats.drafted_tokens > 0  # the valid ones ran
+        finally:
+            await verifier.shutdown(0.5)
+
+    try:
+        run(body())
+    finally:
+        proposer.kill()
+        proposer.wait()
+
+
+class _Untouchable:
+    """A repeated field that may be measured but not read."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        raise AssertionError("an entry of an over-wide draft was read")
+
+    __getitem__ = __iter__
+
+
+def test_unpack_draft_reads_no_entry_of_an_over_wide_draft():
+    """13,000,000 entries at one position (a 64 MiB reply): refused from the counts alone, so nothing is
+    converted or allocated for them (main built [k, 13M] tensors, then padded the batch to them)."""
+
+    class Wire:
+        seq_id, committed_len, needs_resync = "s", 10, False
+        draft_token_ids = [5, 6]
+        draft_parents: list[int] = []  # a chain
+        draft_prob_counts = [13_000_000, 1]
+        draft_prob_token_ids = _Untouchable(13_000_001)
+        draft_probs = _Untouchable(13_000_001)
+
+    for support in (None, 1024):
+        try:
+            unpack_draft(Wire(), VOCAB, max_k=2, max_support=support)  # type: ignore[arg-type]
+        except ValueError as err:
+            assert "entries; at most" in str(err)
+        else:
+            raise AssertionError("an over-wide draft was accepted")
+
+
+def test_the_max_draft_support_is_stated_at_the_handshake():
+    async def body():
+        wide = WideProposer(4)
+        fake_server, port = await start_fake(wide)
+        verifier = await start_verifier([f"127.0.0.1:{port}"])
+        try:
+            assert wide.stated == [VOCAB]  # the default 1,024, capped by the tiny target's 128 ids
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    run(body())
+
+
+def test_unpack_draft_bounds_widths_by_the_vocabulary_and_the_stated_support():
+    def draft(width: int) -> proposer_pb2.Draft:
+        return proposer_pb2.Draft(
+            draft_token_ids=[5], draft_prob_counts=[width], draft_prob_token_ids=[5] * width,
+            draft_probs=[1.0 / width] * width,
+        )  # fmt: skip
+
+    assert unpack_draft(draft(VOCAB), VOCAB, max_k=1).probs is not None  # repeated ids, as wide as the vocabulary
+    for width, support in ((VOCAB + 1, None), (17, 16)):
+        try:
+            unpack_draft(draft(width), VOCAB, max_k=1, max_support=support)
+        except ValueError as err:
+            assert "entries; at most" in str(err)
+        else:
+            raise AssertionError(f"a width of {width} passed (support {support})")
+    assert unpack_draft(draft(16), VOCAB, max_k=1, max_support=16).probs is not None
+
+
+class ResyncProposer(HostileProposer):
+    """Answers needs_resync for every sequence on every step, and counts the whole histories it was sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.full_resends: dict[str, int] = {}
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.steps += 1
+            for s in req.sequences:
+                if s.full_sequence:
+                    self.full_resends[s.seq_id] = self.full_resends.get(s.seq_id, 0) + 1
+            drafts = [
+                proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len, needs_resync=True)
+                for s in req.sequences
+            ]
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id, drafts=drafts)
+
+
+def test_a_proposer_asking_for_resync_every_step_gets_a_few_then_k_0_for_that_sequence():
+    async def body():
+        resyncing = ResyncProposer()
+        fake_server, port = await start_fake(resyncing)
+        verifier = await start_verifier([f"127.0.0.1:{port}"])
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                results = await asyncio.gather(*(collect(stub, request(p, 48)) for p in PROMPTS))
+                for prompt, (tokens, _) in zip(PROMPTS, results, strict=False):
+                    assert tokens == reference(tuple(prompt), 48)
+            # first contact plus at most the burst of 3 resends (48 tokens refill less than one more), where
+            # main resent every sequence's whole history on each of its ~48 steps
+            assert len(resyncing.full_resends) == len(PROMPTS)
+            assert all(n <= 4 for n in resyncing.full_resends.values()), resyncing.full_resends
+            assert verifier.loop.engine.stats.resyncs_refused == len(PROMPTS)
         finally:
             await verifier.shutdown(0.5)
             await fake_server.stop(0)
@@ -224,3 +460,91 @@ def test_unpack_draft_either_refuses_or_returns_a_draft_verification_can_use(msg
     assert dense.shape == (k, VOCAB) and bool(torch.isfinite(dense).all()) and bool((dense >= 0).all())
     assert bool(((dense.double().sum(-1) - 1).abs() <= PROB_SUM_TOLERANCE).all())
     assert bool((dense[torch.arange(k), torch.tensor(draft.token_ids, dtype=torch.int64)] > 0).all())
+
+
+def test_a_proposer_drafts_from_no_more_top_tokens_than_the_verifier_accepts():
+    from tests.service.test_verifier_service import start_proposer
+
+    async def body():
+        proposer = await start_proposer()  # its drafter's top-n is 16
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{proposer.port}") as channel:
+                stub = proposer_pb2_grpc.ProposerStub(channel)
+                await stub.GetInfo(proposer_pb2.GetInfoRequest(max_draft_support=64))
+                assert proposer.servicer.drafter.top_n == 16  # already within it
+                await stub.GetInfo(proposer_pb2.GetInfoRequest(max_draft_support=6))
+                assert proposer.servicer.drafter.top_n == 6
+        finally:
+            await proposer.shutdown(0.1)
+
+    run(body())
+
+
+def bad_tree(kind: str, s: proposer_pb2.ProposeSequence) -> proposer_pb2.Draft:
+    """One malformed token tree for sequence `s` (the verifier asked for up to s.max_tree_nodes nodes, s.k deep)."""
+    n = max(2, min(s.max_tree_nodes, 4))
+    parents = {
+        "cycle": [-1, *range(1, n)],  # node i names itself as its parent
+        "out_of_order": [1, -1, *range(1, n - 1)],  # a parent after its child
+        "too_big": [-1] * (s.max_tree_nodes + 1),
+        "too_deep": list(range(-1, s.k)),  # a chain of k + 1 nodes
+        "parent_count": [-1] * (n - 1),
+        "below_root": [-2, *([-1] * (n - 1))],
+        "not_asked": [-1] * n,  # only when no tree was asked for: sent to a chain-only verifier below
+    }[kind]
+    tokens = [(s.committed_len * 7 + i) % VOCAB for i in range(max(n, len(parents) if kind != "parent_count" else n))]
+    return proposer_pb2.Draft(
+        seq_id=s.seq_id, committed_len=s.committed_len, draft_token_ids=tokens, draft_parents=parents
+    )
+
+
+TREE_KINDS = ("cycle", "out_of_order", "too_big", "too_deep", "parent_count", "below_root")
+
+
+class HostileTrees(HostileProposer):
+    """Answers every step with one kind of malformed tree for every sequence, kinds taking turns."""
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        super().__init__()
+        self.kinds = kinds
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.steps += 1
+            drafts = []
+            for s in req.sequences:
+                if s.k:  # kinds take turns per draft: a sequence's resync budget ends its drafting early
+                    kind = self.kinds[self.sent_bad % len(self.kinds)]
+                    drafts.append(bad_tree(kind, s))
+                    self.kinds_sent.add(kind)
+                    self.sent_bad += 1
+                else:
+                    drafts.append(proposer_pb2.Draft(seq_id=s.seq_id, committed_len=s.committed_len))
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id, drafts=drafts)
+
+
+@pytest.mark.parametrize(("kinds", "nodes"), [(TREE_KINDS, 6), (("not_asked",), 0)], ids=["malformed", "unasked"])
+def test_malformed_trees_are_dropped_counted_and_change_nothing(kinds, nodes):
+    async def body():
+        hostile = HostileTrees(kinds)
+        fake_server, port = await start_fake(hostile)
+        verifier = await start_verifier([f"127.0.0.1:{port}"], max_tree_nodes=nodes)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                sampled = request(PROMPTS[0], MAX_TOKENS, params={"temperature": 0.9})
+                results = await asyncio.gather(
+                    *(collect(stub, request(p, MAX_TOKENS)) for p in PROMPTS), collect(stub, sampled)
+                )
+                for prompt, (tokens, _) in zip(PROMPTS, results, strict=False):
+                    assert tokens == reference(tuple(prompt), MAX_TOKENS)
+                assert len(results[-1][0]) == MAX_TOKENS
+                engine_stats = await stats(stub)
+                assert hostile.kinds_sent == set(kinds)  # every kind was sent at least once
+                assert engine_stats.invalid_drafts == hostile.sent_bad > 0
+                assert engine_stats.drafted_tokens == 0  # not one node of a malformed tree was scored
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    run(body())

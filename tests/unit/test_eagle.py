@@ -31,7 +31,7 @@ from shared.proto_gen.specdec.v1 import proposer_pb2
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine
 from specdec_train.train import unrolled_forward
-from tests.law import first_two_token_counts, law_pvalue, two_token_law
+from tests.law import WrongDraftLaw, first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy, ours, tiny_hf_model
 from verifier_service.engine import EngineConfig
 
@@ -329,27 +329,6 @@ def test_preemption_keeps_output(tmp_path, target_hf, target):
         assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)
 
 
-class _LyingProbs:
-    """Claims the drafts came from the uniform distribution over their listed ids: a wrong draft law."""
-
-    needs_target_features = True
-
-    def __init__(self, inner: EagleDrafter) -> None:
-        self.inner = inner
-        self.feature_layers = inner.feature_layers
-
-    def release(self, seq_ids):
-        self.inner.release(seq_ids)
-
-    def propose(self, requests):
-        drafts = self.inner.propose(requests)
-        for d in drafts:
-            if d.probs is not None:
-                uniform = (d.probs.probs > 0).float()
-                d.probs.probs.copy_(uniform / uniform.sum(-1, keepdim=True))
-        return drafts
-
-
 def _law_pvalues(target_hf, target, drafter_factory, n=3000):
     temperature = 1.5
     first, second = two_token_law(target_hf, lambda logits: torch.softmax(logits / temperature, -1), VOCAB)
@@ -373,5 +352,5 @@ def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_h
     pvalues, engine = _law_pvalues(target_hf, target, honest)
     assert min(pvalues) > 1e-4, pvalues
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # both paths were exercised
-    lying_pvalues, _ = _law_pvalues(target_hf, target, lambda: _LyingProbs(honest()))
+    lying_pvalues, _ = _law_pvalues(target_hf, target, lambda: WrongDraftLaw(honest()))
     assert lying_pvalues[1] < 1e-6, lying_pvalues

@@ -260,10 +260,15 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
     fixed = engine_with(target, d, k=4)
     run(fixed, ps, params)
     engine = engine_with(target, d, k=4, adaptive_k=True)
-    # Pin the cost ratio: here the "draft" costs as much as the target, and wall time is noisy in tests.
-    engine.scheduler.cost_ratio.update(0.3, 1, 1.0)
-    engine.scheduler.cost_ratio.update = lambda *args: None
-    engine.scheduler.scoring_cost.update = lambda *args: None  # scoring taken as free (no samples)
+    # Pin the times (wall time is noisy in tests): a step of 1.0 plus 0.05 per scored token, a call of 0.1 plus
+    # 0.3 per drafted position (here the "draft" costs as much as the target).
+    policy = engine.scheduler.policy
+    for batch in range(1, 5):
+        for query in range(batch, 6 * batch + 1):
+            policy.record_step(batch, query, 1.0 + 0.05 * query)
+        for depth in range(1, 5):
+            policy.record_propose(batch, depth, False, 0.1 + 0.3 * depth)
+    policy.record_step = policy.record_propose = lambda *args: None
     outs = run(engine, ps, params)
     for i, p in enumerate(ps):
         assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)

@@ -61,3 +61,20 @@ def test_release_forgets_the_sequence():
     propose(d, "s", [1, 2, 1], 0, k=1)
     d.release(["s"])
     assert "s" not in d.index and "s" not in d.history.tokens
+
+
+def test_matches_of_several_lengths_become_the_branches_of_a_tree():
+    from proposer_service.ngram import trie
+    from shared.drafting import tree_depths
+
+    drafter = NgramDrafter(max_ngram=3)
+    # "7 8 9" was followed by 1 2; "8 9" later by 3 4; the suffix "7 8 9" matches at n = 3 and "8 9" at n = 2.
+    tokens = [7, 8, 9, 1, 2, 5, 8, 9, 3, 4, 6, 7, 8, 9]
+    (draft,) = drafter.propose([DraftRequest("s", len(tokens), tokens, 2, max_tree_nodes=6)])
+    assert draft.parents is not None and max(tree_depths(draft.parents)) <= 2
+    paths = {(draft.token_ids[i], draft.token_ids[c]) for c, i in enumerate(draft.parents) if i >= 0}
+    assert paths == {(1, 2), (3, 4)}
+    assert trie([[1, 2, 3], [1, 2, 4], [5]], 4) == ([1, 2, 3, 4], [-1, 0, 1, 1])  # shared prefix, budget
+    # a chain where one continuation is all there is, or no tree was asked for
+    (chain,) = NgramDrafter(max_ngram=3).propose([DraftRequest("s", len(tokens), tokens, 2)])
+    assert chain.parents is None and chain.token_ids == [1, 2]

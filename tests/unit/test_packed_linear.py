@@ -11,8 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from shared.model import parallel
+from shared.model.config import ModelArch
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
-from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, linear, pack_weight
+from shared.model.loader import build_model
+from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, half_kernels, linear, pack_weight
 from tests.tiny import ours, tiny_hf_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -42,8 +45,75 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 
 
 def test_weights_that_onednn_would_not_take_stay_plain():
-    for weight in (torch.randn(8, 4, dtype=torch.float16), torch.randn(8, 4, dtype=torch.bfloat16), torch.randn(8)):
+    for weight in (torch.randn(8), torch.randn(8, 4, dtype=torch.float64), torch.randint(0, 9, (8, 4))):
         assert pack_weight(weight) is weight
+
+
+HALF = [torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(params=["fp32 copy", "native"])
+def half_path(request, monkeypatch):
+    """Half-precision weights packed as fp32 copies (CPUs without oneDNN half kernels, e.g. AVX2) or in their own
+    dtype (AVX-512 BF16 / FP16, AMX): the second only runs where this CPU has the kernels."""
+    if request.param == "fp32 copy":
+        monkeypatch.setattr(parallel, "half_kernels", lambda dtype: False)
+    return request.param
+
+
+def _half_or_skip(dtype: torch.dtype, path: str) -> None:
+    if path == "native" and not half_kernels(dtype):
+        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", HALF)
+def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
+    """A half-precision product accumulates in fp32 and rounds its result once: the fp32 product of the same
+    (exactly representable) values, rounded, within one half-precision step where two fp32 sums differ in their
+    last bits across a rounding boundary."""
+    _half_or_skip(dtype, half_path)
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.randn(192, 64, generator=gen).to(dtype)
+    bias = torch.randn(192, generator=gen).to(dtype)
+    packed = pack_weight(weight)
+    assert packed.is_mkldnn and packed.dtype == (dtype if half_path == "native" else torch.float32)
+    for rows in ((1, 64), (7, 64), (3, 5, 64)):
+        x = torch.randn(*rows, generator=gen).to(dtype)
+        for b in (None, bias):
+            got = linear(x, packed, b)
+            assert got.dtype == dtype and got.shape == (*rows[:-1], 192)
+            want = F.linear(x.float(), weight.float(), None if b is None else b.float())
+            step = 2.0 ** (torch.floor(torch.log2(want.abs().clamp(min=1e-3))) - (7 if dtype == torch.bfloat16 else 10))
+            assert bool(((got.float() - want).abs() <= step).all()), (dtype, rows, b is not None)
+
+
+@needs_onednn
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, half_path):
+    _half_or_skip(dtype, half_path)
+    gen = torch.Generator().manual_seed(1)
+    packed = pack_weight(torch.randn(3072, 576, generator=gen).to(dtype))
+    x = torch.randn(40, 576, generator=gen).to(dtype)
+    together = linear(x, packed)
+    for start, stop in ((0, 1), (0, 5), (3, 4), (7, 16), (11, 40)):
+        assert torch.equal(linear(x[start:stop], packed), together[start:stop]), (start, stop)
+
+
+@needs_onednn
+def test_a_bf16_model_is_packed_and_its_logits_are_bf16_values(half_path):
+    _half_or_skip(torch.bfloat16, half_path)
+    hf = tiny_hf_model(seed=4)
+    arch = ModelArch.from_hf_config(hf.config)
+    model = build_model(arch, hf.state_dict(), torch.bfloat16)
+    linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert model.embed_tokens.weight.dtype == torch.bfloat16 and not model.embed_tokens.weight.is_mkldnn
+    hidden = torch.randn(4, arch.hidden_size).bfloat16()
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32  # what the sampler reads
+    assert torch.equal(logits, logits.bfloat16().float())  # rounded as transformers' bf16 LM head rounds
+    torch.testing.assert_close(logits, F.linear(hidden, model.lm_head_weight).float(), atol=0.07, rtol=0.02)
 
 
 @needs_onednn

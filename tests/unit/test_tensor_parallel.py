@@ -393,16 +393,49 @@ def test_real_target_tp3_logits_and_greedy_equal_tp1(target) -> None:
 
         config = EngineConfig(num_speculative_tokens=0, max_num_seqs=2, max_model_len=96)
         prompt = [1, 504, 3458, 282, 4760, 314, 2]  # any ids; greedy from the target alone
+        tree_config = EngineConfig(num_speculative_tokens=3, max_num_seqs=2, max_model_len=96, max_tree_nodes=6)
         outs = []
         for engine in (
             Engine(config, runner, BlockManager(num_blocks, block), None, arch.eos_token_ids),
             build_engine(target, None, config, CacheConfig(block_size=block, num_blocks=num_blocks)),
+            # Token trees at TP 3: tree attention on every rank, the accepted path moved on every rank.
+            Engine(tree_config, runner, BlockManager(num_blocks, block), _OracleTrees(prompt), arch.eos_token_ids),
         ):
-            engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+            engine.add_request("r", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
             while engine.has_unfinished():
                 for out in engine.step():
                     if out.finished:
                         outs.append(out.output_ids)
-        assert outs[0] == outs[1] and len(outs[0]) == 8
+            if len(outs) == 2:
+                _OracleTrees.reference = outs[1]
+        assert outs[0] == outs[1] == outs[2] and len(outs[0]) == 12
+        assert engine.stats.accepted_tokens > 0
     finally:
         runner.close()
+
+
+class _OracleTrees:
+    """Trees whose second root child and its descendants follow `reference` (the greedy output): the accepted
+    path sits at slots that must be moved; the first child and one sibling per depth are decoys."""
+
+    reference: list[int] = []
+
+    def __init__(self, prompt: list[int]) -> None:
+        self.prompt = prompt
+
+    def propose(self, requests):
+        from shared.drafting import Draft
+
+        drafts = []
+        for r in requests:
+            done = r.committed_len - len(self.prompt)
+            ahead = self.reference[done : done + 2]
+            if not r.max_tree_nodes or len(ahead) < 2:
+                drafts.append(Draft(r.seq_id, r.committed_len, []))
+                continue
+            tokens = [ahead[0] + 1, ahead[0], ahead[1] + 1, ahead[1]]  # decoy, right; under right: decoy, right
+            drafts.append(Draft(r.seq_id, r.committed_len, tokens, parents=[-1, -1, 1, 1]))
+        return drafts
+
+    def release(self, seq_ids):
+        pass

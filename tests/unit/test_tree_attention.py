@@ -36,6 +36,11 @@ def random_tree(rng: random.Random, num_nodes: int) -> tuple[list[int], list[int
     return [rng.randrange(VOCAB) for _ in range(num_nodes)], parents
 
 
+def tree_of(prompt: list[int], tokens: list[int], parents: list[int]):
+    """The tree spec of a step that feeds the prompt's last token (the root) and the nodes."""
+    return tree_of_parents(len(prompt) - 1, 1 + len(tokens), parents)
+
+
 def path_of(node: int, parents: list[int]) -> list[int]:
     path = []
     while node >= 0:
@@ -74,7 +79,7 @@ def test_every_node_gets_the_logits_of_its_path_scored_as_a_chain(target, seed):
     runner = runner_for(target)
     table = list(range(12))
     runner.forward([ForwardItem(table, 0, prompt[:-1], 0)])
-    item = ForwardItem(table, len(prompt) - 1, [prompt[-1], *tokens], len(tokens) + 1, tuple(parents))
+    item = ForwardItem(table, len(prompt) - 1, [prompt[-1], *tokens], len(tokens) + 1, tree_of(prompt, tokens, parents))
     (logits,) = runner.forward([item])  # [1 + nodes, vocab]: the root, then each node
     torch.testing.assert_close(logits[0], chain_logits(target, prompt, []), rtol=0, atol=ATOL)
     for node in range(len(tokens)):
@@ -118,7 +123,7 @@ def test_trees_mix_with_a_prefill_chunk_decodes_and_a_prefix_cached_prompt(targe
                 len(histories[name]) - 1,
                 [histories[name][-1], *trees[name][0]],
                 8,
-                tuple(trees[name][1]),
+                tree_of(histories[name], *trees[name]),
             )
             for name in ("tree", "cached")
         },
@@ -144,7 +149,7 @@ def test_an_accepted_path_moved_onto_consecutive_slots_serves_the_next_step(targ
     runner = runner_for(target)
     table = list(range(12))
     runner.forward([ForwardItem(table, 0, prompt[:-1], 0)])
-    runner.forward([ForwardItem(table, len(prompt) - 1, [prompt[-1], *tokens], 7, tuple(parents))])
+    runner.forward([ForwardItem(table, len(prompt) - 1, [prompt[-1], *tokens], 7, tree_of(prompt, tokens, parents))])
     accepted = path_of(5, parents)  # [1, 2, 4, 5]
     root = len(prompt) - 1
 

@@ -50,7 +50,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position", "tenant")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position", "tenant", "max_tree_nodes")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class ProposeSequence(_message.Message):
     TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_POSITION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -69,7 +70,8 @@ class ProposeSequence(_message.Message):
     target_features: TargetFeatures
     draft_position: int
     tenant: str
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
+    max_tree_nodes: int
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ..., tenant: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start_position", "rows", "hidden_size", "dtype", "data")
@@ -96,7 +98,7 @@ class ProposeResponse(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., drafts: _Optional[_Iterable[_Union[Draft, _Mapping]]] = ..., draft_time_us: _Optional[int] = ...) -> None: ...
 
 class Draft(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "draft_token_ids", "draft_prob_token_ids", "draft_probs", "draft_prob_counts", "needs_resync")
+    __slots__ = ("seq_id", "committed_len", "draft_token_ids", "draft_prob_token_ids", "draft_probs", "draft_prob_counts", "needs_resync", "draft_parents")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -104,6 +106,7 @@ class Draft(_message.Message):
     DRAFT_PROBS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_PROB_COUNTS_FIELD_NUMBER: _ClassVar[int]
     NEEDS_RESYNC_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_PARENTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -111,11 +114,16 @@ class Draft(_message.Message):
     draft_probs: _containers.RepeatedScalarFieldContainer[float]
     draft_prob_counts: _containers.RepeatedScalarFieldContainer[int]
     needs_resync: bool
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_prob_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_prob_counts: _Optional[_Iterable[int]] = ..., needs_resync: _Optional[bool] = ...) -> None: ...
+    draft_parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., draft_prob_token_ids: _Optional[_Iterable[int]] = ..., draft_probs: _Optional[_Iterable[float]] = ..., draft_prob_counts: _Optional[_Iterable[int]] = ..., needs_resync: _Optional[bool] = ..., draft_parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GetInfoRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("max_tree_nodes", "max_draft_support")
+    MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MAX_DRAFT_SUPPORT_FIELD_NUMBER: _ClassVar[int]
+    max_tree_nodes: int
+    max_draft_support: int
+    def __init__(self, max_tree_nodes: _Optional[int] = ..., max_draft_support: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
     __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype", "target_feature_layers")

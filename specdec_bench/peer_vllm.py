@@ -1,0 +1,89 @@
+"""The vLLM side of `specdec_bench.peer_bench`, run inside vLLM's own venv (`.cache/peers/vllm-venv`): it imports
+vllm and the standard library only, never this repository.
+
+Reads a JSON job (model folder, dtype, optional draft model and k, the prompts as token ids, the batch sizes,
+max_tokens, repetitions), loads one `vllm.LLM`, generates greedily with `ignore_eos` (one warm-up pass first,
+so compilation and first-touch costs stay out of the timings), and writes a JSON result: per batch size the
+seconds of each repetition, the generated token ids, and the speculative-decoding counters when a draft ran.
+
+    python specdec_bench/peer_vllm.py JOB.json RESULT.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def make_llm(job: dict):
+    from vllm import LLM
+
+    kwargs: dict = dict(
+        model=job["model"],
+        tokenizer=job["tokenizer"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        max_num_seqs=max(job["batches"]),
+        seed=0,
+        # An explicit KV cache size: vLLM's CPU worker otherwise asks for a fraction of the NUMA node's memory,
+        # which a shared machine may not have free.
+        kv_cache_memory_bytes=job.get("kv_cache_bytes", 1 << 30),
+        enforce_eager=job.get("enforce_eager", False),
+    )
+    if job.get("draft"):
+        kwargs["speculative_config"] = {
+            "method": "draft_model",
+            "model": job["draft"],
+            "num_speculative_tokens": job["k"],
+        }
+    return LLM(**kwargs)
+
+
+def generate(llm, prompts: list[list[int]], batch: int, max_tokens: int) -> tuple[float, list[list[int]]]:
+    """Seconds to generate `max_tokens` for every prompt, `batch` prompts per `generate` call."""
+    from vllm import SamplingParams, TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outputs: list[list[int]] = []
+    start = time.perf_counter()
+    for i in range(0, len(prompts), batch):
+        group = [TokensPrompt(prompt_token_ids=ids) for ids in prompts[i : i + batch]]
+        for out in llm.generate(group, params, use_tqdm=False):
+            outputs.append(list(out.outputs[0].token_ids))
+    return time.perf_counter() - start, outputs
+
+
+def spec_counters(llm) -> dict:
+    """vLLM's own speculative-decoding counters (drafted and accepted tokens), when it exposes them."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 - older or newer APIs: the counters are informative only
+        return {}
+    found = {}
+    for metric in metrics:
+        if metric.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens"):
+            found[metric.name.split(":")[1]] = getattr(metric, "value", None)
+    return found
+
+
+def main(argv: list[str]) -> int:
+    with open(argv[1]) as f:
+        job = json.load(f)
+    start = time.perf_counter()
+    llm = make_llm(job)
+    load_s = time.perf_counter() - start
+    prompts, max_tokens = job["prompts"], job["max_tokens"]
+    generate(llm, prompts[: max(job["batches"])], max(job["batches"]), max_tokens)  # warm-up
+    result: dict = {"load_s": load_s, "runs": {}}
+    for batch in job["batches"]:
+        runs = [generate(llm, prompts, batch, max_tokens) for _ in range(job["reps"])]
+        result["runs"][str(batch)] = {"seconds": [s for s, _ in runs], "outputs": runs[-1][1]}
+    result["spec"] = spec_counters(llm)
+    with open(argv[2], "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv))
