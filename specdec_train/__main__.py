@@ -24,7 +24,7 @@ from shared.model.loader import load_embeddings, load_model
 from shared.settings import REPO_ROOT, default_target_model
 from specdec_train.conversations import held_out_conversations
 from specdec_train.data import DEFAULT_CONVERSATIONS, DataConfig, generate, load_samples
-from specdec_train.features import TargetFeatures
+from specdec_train.features import CachedFeatures, TargetFeatures
 from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset, plot_losses, subset_coverage, write_card
 from specdec_train.train import TrainConfig, Trainer
@@ -46,6 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="train on the data shards already written, generating none (python -m specdec_train.data may be "
         "writing the rest meanwhile)",
     )  # fmt: skip
+    p.add_argument(
+        "--feature-cache-gb", type=float, default=4.0,
+        help="keep the target's features of up to this many GB of conversations in memory (fp32; 0 = none): "
+        "data that fits pays the target's prefill in its first epoch only",
+    )  # fmt: skip
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="size of the frequency-ranked subset")
     p.add_argument("--num-layers", type=int, default=1, help="decoder layers in the head")
     p.add_argument(
@@ -57,14 +62,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens-per-step", type=int, default=TrainConfig.tokens_per_step)
     p.add_argument("--max-len", type=int, default=TrainConfig.max_len)
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--warmup", type=int, default=TrainConfig.warmup, help="steps of linear learning-rate warm-up")
     p.add_argument("--unroll", type=int, default=TrainConfig.unroll, help="training-time-test steps (1 = EAGLE-1)")
     p.add_argument("--reg-weight", type=float, default=TrainConfig.reg_weight, help="feature regression weight")
     p.add_argument("--time-budget-min", type=float, default=60.0, help="stop training after this (0 = no limit)")
     p.add_argument("--resume", action="store_true", help="train a finished checkpoint on to --steps")
     p.add_argument(
+        "--export", action="store_true",
+        help="write the head (best weights so far), card and evaluation from the checkpoint, training nothing "
+        "(e.g. while a run goes on in the background)",
+    )  # fmt: skip
+    p.add_argument(
         "--init-from", type=Path, default=None,
-        help="warm start from this EAGLE-1 head (fc and layers; the fused input starts as its final state: "
-        "--feature-layers must include -1)",
+        help="warm start from this EAGLE-1 head (fc, layers and vocabulary subset; the fused input starts as its "
+        "final state: --feature-layers must include -1)",
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out checks")
     p.add_argument("--eval-k", type=int, default=4)
@@ -108,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
     given = _without(
         list(argv if argv is not None else sys.argv[1:]),
-        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk"),
+        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk", "--export"),
     )
 
     target_model = load_model(target)
@@ -120,21 +131,29 @@ def main(argv: list[str] | None = None) -> None:
     samples = load_samples(shards)
     embedding, lm_head, target_arch = load_embeddings(target)
     layers = feature_layers(args.feature_layers, target_arch.num_layers)
-    subset = _vocab_subset(args, samples, target_arch)
+    init_state = load_head_state(args.init_from) if args.init_from is not None else None
+    # A warm start keeps its head's subset: its rows of the LM head are those the old head learned to draft.
+    subset = init_state["vocab_subset"] if init_state is not None else _vocab_subset(args, samples, target_arch)
     config = head_config(target_arch, args.num_layers, len(subset), layers, target_model=Path(target).name)
     train_config = TrainConfig(
-        steps=args.steps, tokens_per_step=args.tokens_per_step, max_len=args.max_len, lr=args.lr, unroll=args.unroll,
+        steps=args.steps, tokens_per_step=args.tokens_per_step, max_len=args.max_len, lr=args.lr, warmup=args.warmup,
+        unroll=args.unroll,
         reg_weight=args.reg_weight, time_budget_s=args.time_budget_min * 60, seed=args.seed,
         eval_every=2 if args.quick else args.eval_every,
     )  # fmt: skip
-    features = TargetFeatures(target_model[0], layers, max_tokens=max(4096, args.tokens_per_step + 2048))
-    heldout = HeldOut(_held_out_samples(args, data, target_model), features, args.eval_k, args.max_len)
+    target_features = TargetFeatures(target_model[0], layers, max_tokens=max(4096, args.tokens_per_step + 2048))
+    heldout = HeldOut(_held_out_samples(args, data, target_model), target_features, args.eval_k, args.max_len)
+    features = CachedFeatures(target_features, int(args.feature_cache_gb * 2**30))
     trainer = Trainer(arch_from_config(config), embedding, lm_head, subset, train_config, layers)
-    if args.init_from is not None:
-        trainer.start_from(load_head_state(args.init_from), heldout.batches[0])
+    start_measure = None
+    if init_state is not None:
+        trainer.start_from(init_state, heldout.batches[0])
+        if not args.export:
+            start_measure = heldout.measure(trainer)
+            logging.info("warm start: held-out %.3f tokens per verify step", start_measure.mean_accepted_length)
     trainer.fit(
         samples, features, args.work_dir / f"checkpoint-seed{args.seed}.pt", heldout,
-        extend_to=args.steps if args.resume else None,
+        extend_to=args.steps if args.resume else None, export_only=args.export,
     )  # fmt: skip
     # The same schedule without a clock: the step count the time budget settled on, fixed.
     command = " ".join(
@@ -153,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         from specdec_train.evaluate import evaluate, format_results
 
         evaluation = format_results(evaluate(args.out, target, target_model, args.eval_tokens, args.quick))
-    _write_card(args, target, config, samples, subset, trainer, heldout, command, evaluation)
+    _write_card(args, target, config, samples, subset, trainer, heldout, command, evaluation, start_measure)
     print(f"head written to {args.out}\n{evaluation}")
 
 
@@ -176,7 +195,7 @@ def _held_out_samples(args: argparse.Namespace, data: DataConfig, target_model) 
     return load_samples(generate(config, target_model, conversations=convs))
 
 
-def _write_card(args, target, config, samples, subset, trainer, heldout, command, evaluation) -> None:
+def _write_card(args, target, config, samples, subset, trainer, heldout, command, evaluation, start) -> None:
     last = trainer.history[-50:]
     top1 = ", ".join(
         f"step {s}: {sum(h[f'top1_{s}'] for h in last) / len(last):.2f}" for s in range(1, trainer.config.unroll + 1)
@@ -193,8 +212,19 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
         num_tokens=sum(len(s["tokens"]) for s in samples),
         num_generated=sum(int(s["generated"].sum()) for s in samples), coverage=subset_coverage(samples, subset),
         seed=args.seed, steps=trainer.step, tokens_per_step=c.tokens_per_step, max_len=c.max_len, lr=c.lr,
+        warmup=c.warmup,
         reg_note=f" + {c.reg_weight} x smooth-L1(feature)" if c.reg_weight else "", unroll=c.unroll,
         step_decay=c.step_decay, train_minutes=trainer.seconds / 60,
+        init_note=(
+            f"\n- Warm start (`--init-from {args.init_from}`): fc and decoder layer from that EAGLE-1 head, `fuse`"
+            " reading only the final state at first (`Trainer.start_from`)"
+            + (f"; held-out measure at the start {start.mean_accepted_length:.2f}." if start else ".")
+            if args.init_from else ""
+        ),
+        subset_origin=(
+            f"that of the warm start's head ({args.init_from})" if args.init_from
+            else f"the {len(subset)} most frequent ids of the generated text (then id order)"
+        ),
         machine=f"{platform.machine()}, {torch.get_num_threads()} thread(s)", sittings=_sittings(trainer), top1=top1,
         best_step=trainer.best[1] if trainer.best else trainer.step, eval_k=args.eval_k,
         heldout=chain.mean_accepted_length, heldout_per_position=" / ".join(f"{p:.2f}" for p in chain.per_position),
@@ -224,7 +254,7 @@ def _without(args: list[str], flags: tuple[str, ...]) -> list[str]:
         if skip:
             skip = False
         elif arg in flags:
-            skip = arg not in ("--resume", "--shards-on-disk")  # the flags here without a value
+            skip = arg not in ("--resume", "--shards-on-disk", "--export")  # the flags here without a value
         elif not arg.startswith(tuple(f + "=" for f in flags)):
             kept.append(arg)
     return kept

@@ -54,3 +54,32 @@ class TargetFeatures:
         final, captured = final.clone(), captured.clone()
         sizes = [len(r) for r in rows]
         return list(zip(final.split(sizes), captured.split(sizes), strict=True))
+
+
+class CachedFeatures:
+    """Keeps the features of each conversation it computed, up to `max_bytes`: a data set that fits (e.g. a few
+    hundred thousand positions, some GB) pays the target's prefill once, in its first epoch, instead of every
+    epoch. The stored values are those computed (fp32): a cache hit returns exactly what a recompute would."""
+
+    def __init__(self, inner: TargetFeatures, max_bytes: int) -> None:
+        self.inner, self.max_bytes, self.used_bytes = inner, max_bytes, 0
+        self.store: dict[bytes, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def row_bytes(self, num_tokens: int) -> int:
+        return num_tokens * (1 + len(self.inner.layers)) * self.inner.model.arch.hidden_size * 4
+
+    def holds_all(self, lengths: list[int]) -> bool:
+        """Whether conversations of these lengths all fit: then only the first epoch prefills."""
+        return self.row_bytes(sum(lengths)) <= self.max_bytes
+
+    def __call__(self, rows: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        keys = [row.numpy().tobytes() for row in rows]
+        missing = [i for i, key in enumerate(keys) if key not in self.store]
+        computed = dict(zip(missing, self.inner([rows[i] for i in missing]), strict=True)) if missing else {}
+        for i, feats in computed.items():
+            size = self.row_bytes(len(rows[i]))
+            if self.used_bytes + size <= self.max_bytes:
+                # Clones: a view would keep its whole group's tensor alive, rows not kept included.
+                self.store[keys[i]] = (feats[0].clone(), feats[1].clone())
+                self.used_bytes += size
+        return [computed[i] if i in computed else self.store[key] for i, key in enumerate(keys)]

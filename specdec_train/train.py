@@ -173,6 +173,16 @@ def _shift(t: torch.Tensor, shift: int) -> torch.Tensor:  # [B, H, S, D]: row j 
     return torch.cat([t.new_zeros(*t.shape[:2], shift, t.shape[3]), t[:, :, :-shift]], dim=2)
 
 
+def paced_steps(budget_s: float, paced_s: float, feature_s: float, per_epoch: int, prefill_once: bool) -> int:
+    """Steps that fit `budget_s` at the pace of the first PACE_STEPS steps (`paced_s` in all, `feature_s` of it
+    the target's prefill). With every conversation's features cached (`prefill_once`), steps after the first
+    epoch skip the prefill."""
+    step_s, feature_step_s = paced_s / PACE_STEPS, feature_s / PACE_STEPS
+    if not prefill_once or budget_s <= per_epoch * step_s:
+        return int(budget_s / step_s)
+    return per_epoch + int((budget_s - per_epoch * step_s) / max(step_s - feature_step_s, 1e-3))
+
+
 def plan_batches(lengths: list[int], tokens_per_step: int, rng: random.Random) -> list[list[int]]:
     """Conversations in a shuffled order, grouped until each group holds tokens_per_step tokens."""
     order = list(range(len(lengths)))
@@ -342,12 +352,20 @@ class Trainer:
         evaluate: Callable[[Trainer], float] | None = None,
         resume: bool = True,
         extend_to: int | None = None,
+        export_only: bool = False,
     ) -> None:
+        """`export_only`: load the checkpoint and stop (the caller writes the best weights so far)."""
         c = self.config
         resumed = resume and self.load_checkpoint(checkpoint, extend_to)
+        if export_only:
+            if not resumed:
+                raise ValueError(f"--export needs a checkpoint, and {checkpoint} is not there")
+            return
         lengths = [int(s["tokens"].shape[0]) for s in samples]
         per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed)))
         started, first_step, seconds_before = time.monotonic(), self.step, self.seconds
+        feature_seconds = 0.0  # of the paced steps: the target's prefill (cached after one epoch if it all fits)
+        prefill_once = bool(getattr(features, "holds_all", lambda _: False)(lengths))
         sitting = {
             "from_step": self.step,
             "to_step": self.step,
@@ -363,7 +381,10 @@ class Trainer:
             epoch, skip = divmod(self.step, per_epoch)  # a resumed run continues with the batch it stopped at
             for group in plan_batches(lengths, c.tokens_per_step, random.Random(c.seed * 1000 + epoch))[skip:]:
                 convs = [samples[i] for i in group]
-                batch = make_batch(convs, features([s["tokens"] for s in convs]), c.unroll, c.max_len)
+                feature_started = time.monotonic()
+                feats = features([s["tokens"] for s in convs])
+                feature_seconds += time.monotonic() - feature_started
+                batch = make_batch(convs, feats, c.unroll, c.max_len)
                 if batch is None:  # nothing generated in these conversations: count the step, learn nothing
                     self.step += 1
                     bar.update(1)
@@ -378,7 +399,9 @@ class Trainer:
                 if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
                     # The cosine schedule ends where the budget will, at the pace measured so far (with a
                     # margin for the held-out checks and a busier machine).
-                    self.planned_steps = min(c.steps, int(0.85 * c.time_budget_s / spent * PACE_STEPS))
+                    self.planned_steps = min(
+                        c.steps, paced_steps(0.85 * c.time_budget_s, spent, feature_seconds, per_epoch, prefill_once)
+                    )
                     bar.total = self.planned_steps
                 out_of_time = bool(c.time_budget_s) and spent > c.time_budget_s
                 done = self.step >= self.planned_steps

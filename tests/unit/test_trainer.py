@@ -29,7 +29,7 @@ from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
 from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset
-from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, scored, unrolled_forward
+from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, paced_steps, scored, unrolled_forward
 from tests.tiny import ours, tiny_hf_model
 
 
@@ -242,3 +242,34 @@ def test_warm_start_from_an_eagle1_head_drafts_like_it():
     assert (old_logits.argmax(-1) == new_logits.argmax(-1)).float().mean() > 0.9
     with pytest.raises(ValueError, match="include -1"):
         Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), (0, 1)).start_from(old_state, None)
+
+
+def test_cached_features_are_those_recomputed_and_the_cache_is_bounded():
+    from specdec_train.features import CachedFeatures, TargetFeatures
+
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 96, (n,), generator=gen, dtype=torch.int32) for n in (20, 7, 13)]
+    plain = TargetFeatures(model, (0, -1))
+    cached = CachedFeatures(TargetFeatures(model, (0, -1)), max_bytes=cached_bytes(plain, 27))
+    assert not cached.holds_all([20, 7, 13]) and cached.holds_all([20, 7])
+    first, again = cached(rows), cached(list(reversed(rows)))
+    assert len(cached.store) == 2  # the third row did not fit
+    for (final, layers), (final2, layers2), reference in zip(first, reversed(again), plain(rows), strict=True):
+        for t in (final, final2):
+            torch.testing.assert_close(t, reference[0], atol=1e-5, rtol=1e-5)
+        for t in (layers, layers2):
+            torch.testing.assert_close(t, reference[1], atol=1e-5, rtol=1e-5)
+    hit = cached.store[rows[0].numpy().tobytes()]
+    assert cached([rows[0]])[0][0] is hit[0]  # served from memory, not recomputed
+
+
+def cached_bytes(features, num_tokens: int) -> int:
+    return num_tokens * 3 * features.model.arch.hidden_size * 4  # final + 2 layers, fp32
+
+
+def test_paced_steps_count_the_prefill_once_when_it_is_cached():
+    # 10 paced steps took 100 s, 60 of them the prefill; an epoch is 20 steps.
+    assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=False) == 100
+    assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=True) == 20 + 200  # 200 s, then 4 s a step
+    assert paced_steps(150.0, 100.0, 60.0, 20, prefill_once=True) == 15  # the budget ends in the first epoch
