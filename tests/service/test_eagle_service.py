@@ -122,12 +122,17 @@ def test_mixed_batch_greedy_is_exact_and_features_are_the_targets(head_dir, fuse
     run(body())
 
 
-@pytest.mark.parametrize(("k", "nodes", "prompts"), [(3, 8, PROMPTS[:1]), (4, 10, MIXED)], ids=["batch-1", "mixed-8"])
-def test_token_trees_over_grpc_are_exact(head_dir, k, nodes, prompts):
-    """The verifier asks for trees; the head drafts them (EAGLE-2's dynamic tree); the output is the target's."""
+@pytest.mark.parametrize(
+    ("k", "nodes", "prompts", "fused"),
+    [(3, 8, PROMPTS[:1], False), (4, 10, MIXED, False), (4, 10, MIXED, True)],
+    ids=["batch-1", "mixed-8", "eagle3-mixed-8"],
+)
+def test_token_trees_over_grpc_are_exact(head_dir, fused_head_dir, k, nodes, prompts, fused):
+    """The verifier asks for trees; the head (EAGLE-1 or EAGLE-3) drafts them (EAGLE-2's dynamic tree); the
+    output is the target's."""
 
     async def body():
-        proposer = await start_eagle(head_dir)
+        proposer = await start_eagle(fused_head_dir if fused else head_dir)
         verifier = await start_verifier(
             [f"127.0.0.1:{proposer.port}"], num_speculative_tokens=k, max_num_seqs=8, max_tree_nodes=nodes
         )
