@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> None:
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
     given = _without(
         list(argv if argv is not None else sys.argv[1:]),
-        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk", "--export"),
+        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk", "--export")
+        + (("--num-conversations",) if args.shards_on_disk else ()),
     )
 
     target_model = load_model(target)
@@ -160,6 +161,8 @@ def main(argv: list[str] | None = None) -> None:
         [
             "python -m specdec_train",
             *map(shlex.quote, given),
+            # The shards trained on: the set is prefix-stable, so this many regenerates them.
+            *(["--num-conversations", str(len(samples))] if args.shards_on_disk else []),
             "--steps",
             str(trainer.planned_steps),
             "--time-budget-min 0",
