@@ -40,6 +40,12 @@ class ProposerInfo:
     max_k: int = 16
     max_model_len: int = 0  # 0: unlimited
     target_hidden_size: int = 0  # > 0: the drafter reads the target's features of this size (eagle)
+    target_feature_layers: tuple[int, ...] = (-1,)  # whose hidden states, concatenated per position
+
+    @property
+    def feature_width(self) -> int:
+        """Values per position in ProposeSequence.target_features: hidden size x layers read."""
+        return self.target_hidden_size * len(self.target_feature_layers)
 
     def to_proto(self) -> proposer_pb2.GetInfoResponse:
         return proposer_pb2.GetInfoResponse(
@@ -51,6 +57,7 @@ class ProposerInfo:
             max_model_len=self.max_model_len,
             needs_target_features=self.target_hidden_size > 0,
             target_hidden_size=self.target_hidden_size,
+            target_feature_layers=list(self.target_feature_layers) if self.target_hidden_size else [],
             feature_dtype=(
                 proposer_pb2.FEATURE_DTYPE_FLOAT16
                 if self.target_hidden_size
@@ -155,6 +162,7 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     from proposer_service.eagle import make_eagle_drafter
     from shared.model.attention import DEFAULT_BLOCK_SIZE
     from shared.model.build import CacheConfig, default_num_blocks
+    from shared.model.eagle import check_feature_layers
     from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_embeddings
     from shared.settings import default_eagle_head, default_target_model
@@ -180,13 +188,19 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         # The head drafts the target's token ids: the target's tokenizer names them.
         load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
     )
+    # A head for layers this target lacks is refused here, at start-up, not by a verifier later.
+    check_feature_layers(drafter.head.feature_layers, arch.num_layers, f"the head {head_dir}")
     drafter.tree_width, drafter.tree_beam, drafter.cache.ahead = config.tree_width, config.tree_beam, config.draft_ahead
     fingerprint = tokenizer_fingerprint(target)
-    info = ProposerInfo("eagle", head_dir, arch.vocab_size, fingerprint, config.max_k, max_model_len, arch.hidden_size)
+    info = ProposerInfo(
+        "eagle", head_dir, arch.vocab_size, fingerprint, config.max_k, max_model_len, arch.hidden_size,
+        drafter.head.feature_layers,
+    )  # fmt: skip
     log.info(
-        "eagle head loaded head=%s target=%s draft_vocab=%d kv_blocks=%d seconds=%.1f",
+        "eagle head loaded head=%s target=%s target_layers=%s draft_vocab=%d kv_blocks=%d seconds=%.1f",
         head_dir,
         target,
+        list(drafter.head.feature_layers),
         drafter.head.draft_vocab_size,
         num_blocks,
         time.monotonic() - started,

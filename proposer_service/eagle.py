@@ -62,6 +62,11 @@ class EagleDrafter(PagedDrafter[_SeqState]):
     def vocab_subset(self) -> torch.Tensor:
         return self.head.vocab_subset
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers the head reads: what an in-process engine keeps for it."""
+        return self.head.feature_layers
+
     # ---- state ----------------------------------------------------------------------------------
 
     def _prepare(self, req: DraftRequest, tokens: list[int], in_request: set[str]) -> bool:
@@ -92,7 +97,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             return True
         features = req.features
         # A position's feature exists once the target has read its token; the last committed one is unread.
-        if features.dim() != 2 or features.shape[1] != self.head.arch.hidden_size:
+        if features.dim() != 2 or features.shape[1] != self.head.feature_width:
             return False
         if req.feature_start < 0 or req.feature_start + features.shape[0] > req.committed_len - 1:
             return False
@@ -134,8 +139,9 @@ class EagleDrafter(PagedDrafter[_SeqState]):
     # ---- forwards -------------------------------------------------------------------------------
 
     def _forward(self, rows: list) -> list[torch.Tensor]:
-        """rows: (seq_id, first position, features [n, hidden], next token ids [n][, tree spec]) -> outputs
-        [n, hidden]; without a tree the positions are causal from the first."""
+        """rows: (seq_id, first position, head inputs g [n, hidden] (fused real features or the head's own
+        states), next token ids [n][, tree spec]) -> the head's states [n, hidden]; without a tree the
+        positions are causal from the first."""
         spans = [SeqSpan(self.blocks.block_table(row[0]), row[1], len(row[3]), *row[4:]) for row in rows]
         meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device)
         features = torch.cat([row[2] for row in rows])  # [T, hidden]
@@ -152,7 +158,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             self._fill(req.seq_id, tokens, min(end, max(state.num_done, state.features.start)))
             real_end = min(end, state.features.end)
             if state.num_done < real_end:
-                feats = state.features.get(state.num_done, real_end)
+                feats = self.head.fuse_features(state.features.get(state.num_done, real_end))  # [n, hidden]
                 batch.append((req.seq_id, state.num_done, feats, tokens[state.num_done + 1 : real_end + 1]))
         for (seq_id, start, _, ids), out in zip(batch, self._forward(batch) if batch else [], strict=True):
             state = self.states[seq_id]

@@ -227,7 +227,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         features, feature_start = None, 0
         if self.info.target_hidden_size and seq.HasField("target_features"):
             try:
-                feature_start, features = features_from_proto(seq.target_features, self.info.target_hidden_size)
+                feature_start, features = features_from_proto(seq.target_features, self.info.feature_width)
             except ValueError as err:  # a broken block is dropped: the drafter fills what it lacks itself
                 self.invalid_features += 1
                 log.warning("features of sequence %s dropped: %s", seq.seq_id, err)

@@ -99,6 +99,15 @@ class VerifierConfig(TLSConfig):
         },
     )
     default_max_tokens: int = field(default=128, metadata={"help": "max_tokens of a request that sets none"})
+    feature_layers: str = field(
+        default="auto",
+        metadata={
+            "help": "target layers whose hidden states an EAGLE proposer may ask for (kept only when one asks, "
+            "from the scoring forward): comma-separated decoder layers (0-based) and -1, the final normed state; "
+            "auto: -1 and EAGLE-3's low, middle and high layers (1, L/2 - 1, L - 4 of an L-layer target). A "
+            "proposer asking for another layer is refused at connection"
+        },
+    )
     proposer_timeout_ms: int = field(
         default=2000,
         metadata={"help": "deadline of one propose round trip; past it the step decodes with k = 0 and reconnects"},
@@ -151,6 +160,21 @@ class VerifierConfig(TLSConfig):
             "proposer is on when --tls-ca-file is set"
         },
     )
+
+    def capturable_layers(self, num_target_layers: int) -> tuple[int, ...]:
+        """--feature-layers for a target of `num_target_layers` layers (ValueError when it names others)."""
+        from shared.model.eagle import check_feature_layers, eagle3_layers  # torch: not for parsing flags
+
+        if self.feature_layers.strip() == "auto":
+            return (-1, *eagle3_layers(num_target_layers))
+        try:
+            layers = tuple(int(i) for i in self.feature_layers.split(","))
+        except ValueError:
+            raise ValueError(
+                f"--feature-layers must be auto or comma-separated integers, got {self.feature_layers!r}"
+            ) from None
+        check_feature_layers(layers, num_target_layers, "--feature-layers")
+        return layers
 
     def engine_config(self, max_model_len: int) -> EngineConfig:
         """The engine's settings from these flags; `max_model_len` clamped to the model's."""

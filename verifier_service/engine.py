@@ -27,7 +27,7 @@ from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
 from shared.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from shared.model.attention import tree_of_parents
-from shared.model.runner import ForwardItem, ModelRunner
+from shared.model.runner import FINAL_LAYER, ForwardItem, ModelRunner
 from shared.sampling import SamplingParams
 from verifier_service import grammar_masks
 from verifier_service.calibration import calibrate
@@ -294,6 +294,12 @@ class Engine:
         """Hidden states cost a copy per step, so only a drafter that reads them (EAGLE) or the trainer asks."""
         return self.capture_features or bool(getattr(self.drafter, "needs_target_features", False))
 
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """The target layers whose hidden states are kept, as the drafter reads them (an EAGLE-3 head: a low,
+        a middle and a high layer, concatenated per position); the final normed state by default."""
+        return tuple(getattr(self.drafter, "feature_layers", FINAL_LAYER))
+
     def step(self) -> list[RequestOutput]:
         """One speculative step over every running sequence: schedule, propose, score, verify, commit."""
         batch = self.scheduler.schedule()
@@ -333,7 +339,7 @@ class Engine:
         and, when features are kept, its final hidden states [num_tokens, hidden]."""
         items = [self._forward_item(s, drafts.get(s.seq.seq_id)) for s in batch]
         if self.keeps_features:
-            logits, hidden_states = self.runner.forward_with_hidden(items)
+            logits, hidden_states = self.runner.forward_with_hidden(items, self.feature_layers)
             return logits, list(hidden_states)
         return self.runner.forward(items), [None] * len(items)
 

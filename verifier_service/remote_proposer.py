@@ -75,6 +75,11 @@ class PendingDrafts:
         self.answered = time.perf_counter()
 
 
+def requested_layers(info: proposer_pb2.GetInfoResponse) -> tuple[int, ...]:
+    """The target layers a proposer's head reads; none listed: the final normed state (an EAGLE-1 head)."""
+    return tuple(info.target_feature_layers) or (-1,)
+
+
 class RemoteProposer:
     """Drafter protocol over gRPC. Create and `start()` on the event loop that serves; call `propose` and
     `release` from any other thread (the engine's worker thread)."""
@@ -85,6 +90,7 @@ class RemoteProposer:
         *,
         vocab_size: int,
         hidden_size: int = 0,
+        feature_layers: tuple[int, ...] = (-1,),
         tokenizer_fingerprint: str = "",
         timeout_s: float = 2.0,
         reconnect_initial_s: float = 0.05,
@@ -103,6 +109,9 @@ class RemoteProposer:
         # Once a proposer asked for the target's features the engine keeps them, also while reconnecting,
         # so a sequence resent in full after a reconnect carries them all.
         self.needs_target_features = False
+        self.capturable_layers = tuple(feature_layers)  # what this verifier may capture (--feature-layers)
+        # What the engine keeps and sends: the connected proposer's layers, in its order.
+        self.feature_layers: tuple[int, ...] = (-1,)
         self.tokenizer_fingerprint = tokenizer_fingerprint
         self.timeout_s = timeout_s
         self.reconnect_initial_s = reconnect_initial_s
@@ -197,6 +206,8 @@ class RemoteProposer:
             info = await stub.GetInfo(handshake, timeout=max(self.timeout_s, 1.0))
             self._check_compatible(info)
             self.needs_target_features = self.needs_target_features or info.needs_target_features
+            if info.needs_target_features:
+                self.feature_layers = requested_layers(info)
             call = stub.Propose()
             self._pending = {}
             self._write_lock = asyncio.Lock()
@@ -239,6 +250,13 @@ class RemoteProposer:
             raise IncompatibleProposerError(
                 f"its head reads features of size {info.target_hidden_size} but the target's hidden size is "
                 f"{self.hidden_size}: the head was trained for another target"
+            )
+        missing = [i for i in requested_layers(info) if i not in self.capturable_layers]
+        if info.needs_target_features and missing:
+            raise IncompatibleProposerError(
+                f"its head reads target layers {list(requested_layers(info))}, but this verifier captures only "
+                f"{list(self.capturable_layers)} (--feature-layers), not {missing}: start the verifier with "
+                "--feature-layers listing them, or serve a head trained on these layers"
             )
         fingerprints = (info.tokenizer_fingerprint, self.tokenizer_fingerprint)
         if all(fingerprints) and fingerprints[0] != fingerprints[1]:

@@ -404,6 +404,7 @@ def remote_proposer(
         config.proposer,
         vocab_size=target.vocab_size,
         hidden_size=target.hidden_size,
+        feature_layers=config.capturable_layers(target.num_layers),
         tokenizer_fingerprint=tokenizer_fingerprint,
         timeout_s=config.proposer_timeout_ms / 1000,
         reconnect_max_s=config.proposer_reconnect_max_s,

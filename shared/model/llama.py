@@ -134,11 +134,28 @@ class LlamaModel(torch.nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: [num_blocks, block_size, kv_heads, D] x2
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
+        return self.forward_with_layers(input_ids, kv_caches, meta, ())[0]
+
+    @torch.inference_mode()
+    def forward_with_layers(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        layers: tuple[int, ...],  # decoder layer i: its output (the residual stream); -1: the final normed state
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, hidden], [T, len(layers) * hidden] or None
+        """The final normed hidden states and, concatenated in `layers`' order, those of the given layers: the
+        features an EAGLE-3-style head reads (a low, a middle and a high layer), from the same pass."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
-        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
+        captured: dict[int, torch.Tensor] = {}
+        for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
-        return self.norm(x)
+            if i in layers:
+                captured[i] = x
+        final = self.norm(x)
+        captured[-1] = final
+        return final, torch.cat([captured[i] for i in layers], dim=-1) if layers else None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab, hidden]

@@ -10,6 +10,8 @@ from shared.kv.cache import KVCache
 from shared.model.attention import SeqSpan, TreeSpec, build_metadata, select_backend
 from shared.model.llama import LlamaModel
 
+FINAL_LAYER = (-1,)  # the features of an EAGLE-1 head: the final normed hidden states
+
 
 @dataclass(frozen=True)
 class ForwardItem:
@@ -43,13 +45,21 @@ class ModelRunner:
         """Returns per item its logits [num_logits, vocab] fp32 (empty when num_logits == 0)."""
         return self.forward_with_hidden(items)[0]
 
-    def forward_with_hidden(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Logits as `forward`, and per item the final hidden states of all its tokens [len(token_ids), hidden]:
-        the features an EAGLE drafter reads, from the same pass that scored them."""
+    def forward_with_hidden(
+        self, items: list[ForwardItem], layers: tuple[int, ...] = FINAL_LAYER
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Logits as `forward`, and per item the features an EAGLE drafter reads, of all its tokens, from the
+        same pass that scored them: the hidden states of `layers` (decoder layer i's output; -1 the final
+        normed state), concatenated [len(token_ids), len(layers) * hidden]."""
         spans = [it.span() for it in items]
         meta = build_metadata(spans, self.cache.block_size, self.device)
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, self.cache.layers, meta)  # [T, hidden]
+        if tuple(layers) == FINAL_LAYER:
+            hidden = features = self.model(input_ids, self.cache.layers, meta)  # [T, hidden]
+        else:
+            hidden, captured = self.model.forward_with_layers(input_ids, self.cache.layers, meta, tuple(layers))
+            assert captured is not None
+            features = captured  # [T, len(layers) * hidden]
 
         rows: list[int] = []
         end = 0
@@ -57,5 +67,5 @@ class ModelRunner:
             end += len(it.token_ids)
             rows.extend(range(end - it.num_logits, end))
         logits = self.model.compute_logits(hidden[rows]) if rows else hidden.new_zeros(0, self.vocab_size)
-        per_item_hidden = list(hidden.split([len(it.token_ids) for it in items]))
-        return list(logits.split([it.num_logits for it in items])), per_item_hidden
+        per_item_features = list(features.split([len(it.token_ids) for it in items]))
+        return list(logits.split([it.num_logits for it in items])), per_item_features

@@ -44,7 +44,7 @@ from shared.kv.cache import KVCache
 from shared.model.attention import TreeSpec
 from shared.model.config import ModelArch
 from shared.model.parallel import TensorParallel
-from shared.model.runner import ForwardItem, ModelRunner
+from shared.model.runner import FINAL_LAYER, ForwardItem, ModelRunner
 
 log = logging.getLogger("specdec.tp")
 
@@ -493,12 +493,15 @@ class TPModelRunner(ModelRunner):
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor]:
         return self.forward_with_hidden(items)[0]
 
-    def forward_with_hidden(self, items: list[ForwardItem]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Rank 0's hidden states are the full ones: the row-parallel layers all-reduce before returning."""
+    def forward_with_hidden(
+        self, items: list[ForwardItem], layers: tuple[int, ...] = FINAL_LAYER
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Rank 0's hidden states are the full ones, those of every layer: the row-parallel layers all-reduce
+        before returning."""
         with self.group.lock:
             self.group.send({"op": "forward", "items": encode_items(items)})
             try:
-                return self.local.forward_with_hidden(items)
+                return self.local.forward_with_hidden(items, layers)
             except Exception as err:  # the ranks are out of step now: the group cannot go on
                 raise self.group.step_failed(err) from err
 

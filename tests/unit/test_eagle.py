@@ -23,6 +23,8 @@ from shared.model.eagle import (
     init_head_state,
     load_head_state,
     reference_forward,
+    reference_fuse,
+    reference_logits,
     save_head,
 )
 from shared.proto_gen.specdec.v1 import proposer_pb2
@@ -47,14 +49,17 @@ def target(target_hf):
     return ours(target_hf)
 
 
-def make_head_dir(tmp_path, target_arch, subset: torch.Tensor, seed: int = 0, scale: float = 1.0):
-    config = head_config(target_arch, 1, len(subset))
-    state = init_head_state(arch_from_config(config), subset, seed)
+FUSED = (1, 0, -1)  # an EAGLE-3 head's target layers (the 2-layer target's), in the wire's order
+
+
+def make_head_dir(tmp_path, target_arch, subset: torch.Tensor, seed: int = 0, scale: float = 1.0, layers=(-1,)):
+    config = head_config(target_arch, 1, len(subset), layers)
+    state = init_head_state(arch_from_config(config), subset, seed, layers)
     with torch.no_grad():
         for name, t in state.items():
             if name.endswith("proj.weight"):
                 t.mul_(scale)
-            if "layernorm" in name:  # non-trivial norms, so the test sees them applied
+            if "norm" in name:  # non-trivial norms, so the test sees them applied
                 t.uniform_(0.5, 1.5)
     save_head(tmp_path, config, state)
     return tmp_path
@@ -64,19 +69,25 @@ def embeddings(target):
     return target[0].embed_tokens.weight, target[0].lm_head_weight
 
 
-def test_paged_head_equals_reference_in_chunks_and_batches(tmp_path, target):
+@pytest.mark.parametrize("layers", [(-1,), FUSED], ids=["eagle1", "eagle3"])
+def test_paged_head_equals_reference_in_chunks_and_batches(tmp_path, target, layers):
     _, arch = target
-    folder = make_head_dir(tmp_path, arch, torch.randperm(VOCAB)[:40])
+    folder = make_head_dir(tmp_path, arch, torch.randperm(VOCAB)[:40], layers=layers)
     embed, lm_head = embeddings(target)
     head, head_arch = build_head(folder, embed, lm_head)
     state = load_head_state(folder)
     gen = torch.Generator().manual_seed(0)
     lengths = [11, 5]
-    feats = [torch.randn(n, arch.hidden_size, generator=gen) for n in lengths]
+    # the target's layers side by side, at very different scales (as a low and a high layer are)
+    scales = torch.tensor([[0.5, 40.0, 3.0][i % 3] for i in range(len(layers)) for _ in range(arch.hidden_size)])
+    raw = [torch.randn(n, len(layers) * arch.hidden_size, generator=gen) * scales for n in lengths]
+    feats = [head.fuse_features(r) for r in raw]  # the serving fuse: what the drafter feeds the head
+    for r, f in zip(raw, feats, strict=True):
+        torch.testing.assert_close(f, reference_fuse(state, r), atol=1e-5, rtol=1e-5)
     ids = [torch.randint(0, VOCAB, (n,), generator=gen) for n in lengths]
     refs = [
-        reference_forward(state, head_arch, head.rotary, f[None], F.embedding(i, embed)[None])[0]
-        for f, i in zip(feats, ids, strict=True)
+        reference_forward(state, head_arch, head.rotary, reference_fuse(state, r)[None], F.embedding(i, embed)[None])[0]
+        for r, i in zip(raw, ids, strict=True)
     ]
     cache = KVCache(1, 16, 4, head_arch.num_kv_heads, head_arch.head_dim)
     tables = [[0, 1, 2, 3], [4, 5]]
@@ -97,27 +108,35 @@ def test_paged_head_equals_reference_in_chunks_and_batches(tmp_path, target):
     for b in range(2):
         torch.testing.assert_close(torch.cat(outs[b]), refs[b], atol=1e-5, rtol=1e-5)
     logits = head.compute_logits(refs[0])
-    torch.testing.assert_close(logits, refs[0] @ lm_head[head.vocab_subset].T, atol=1e-5, rtol=1e-5)
+    expected = reference_logits(state, refs[0], lm_head[head.vocab_subset], head_arch.rms_norm_eps)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    if layers == (-1,):  # an EAGLE-1 head: the target's LM head on the predicted feature as is
+        torch.testing.assert_close(logits, refs[0] @ lm_head[head.vocab_subset].T, atol=1e-5, rtol=1e-5)
 
 
-def test_training_unroll_is_what_drafting_sees(tmp_path, target):
-    """Step 2 of training at position j = drafting one token past real features 0..j-1."""
+@pytest.mark.parametrize("layers", [(-1,), FUSED], ids=["eagle1", "eagle3"])
+def test_training_unroll_is_what_drafting_sees(tmp_path, target, layers):
+    """Steps 2 and 3 of training at position j = drafting one and two tokens past real features 0..j-2."""
     _, arch = target
-    folder = make_head_dir(tmp_path, arch, torch.arange(VOCAB))
+    folder = make_head_dir(tmp_path, arch, torch.arange(VOCAB), layers=layers)
     embed, lm_head = embeddings(target)
     head, head_arch = build_head(folder, embed, lm_head)
     state = load_head_state(folder)
-    feats = torch.randn(1, 9, arch.hidden_size)
+    feats = torch.randn(1, 9, len(layers) * arch.hidden_size)
     ids = torch.randint(0, VOCAB, (1, 9))
     with torch.no_grad():
         steps = unrolled_forward(state, head_arch, head.rotary, feats, F.embedding(ids, embed), 3)
     torch.testing.assert_close(
-        steps[0], reference_forward(state, head_arch, head.rotary, feats, F.embedding(ids, embed))
+        steps[0],
+        reference_forward(state, head_arch, head.rotary, reference_fuse(state, feats), F.embedding(ids, embed)),
     )
     for j in (2, 6):
         cache = KVCache(1, 8, 4, head_arch.num_kv_heads, head_arch.head_dim)
         table = [0, 1, 2, 3]
-        real = head(feats[0, : j - 1], ids[0, : j - 1], cache.layers, build_metadata([SeqSpan(table, 0, j - 1)], 4))
+        real = head(
+            head.fuse_features(feats[0, : j - 1]), ids[0, : j - 1], cache.layers,
+            build_metadata([SeqSpan(table, 0, j - 1)], 4),
+        )  # fmt: skip
         guess = real[-1]  # the head's prediction of feature j - 1
         for pos in (j - 1, j):  # two draft positions on predicted features
             meta = build_metadata([SeqSpan(table, pos, 1)], 4)
@@ -211,11 +230,10 @@ def run(engine, ps, params) -> dict[str, list[int]]:
     return outs
 
 
-@pytest.mark.parametrize(("k", "max_num_seqs"), [(1, 1), (3, 4), (5, 3)])
-def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, target, k, max_num_seqs):
-    drafter = make_eagle_drafter(
-        str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB))), *embeddings(target), num_blocks=256, block_size=4
-    )
+@pytest.mark.parametrize(("k", "max_num_seqs", "layers"), [(1, 1, (-1,)), (3, 4, (-1,)), (5, 3, (-1,)), (3, 4, FUSED)])
+def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, target, k, max_num_seqs, layers):
+    folder = make_head_dir(tmp_path, target[1], torch.arange(VOCAB), layers=layers)
+    drafter = make_eagle_drafter(str(folder), *embeddings(target), num_blocks=256, block_size=4)
     engine = engine_with_eagle(target, drafter, k=k, max_num_seqs=max_num_seqs)
     ps = prompts(4, seed=k)
     outs = run(engine, ps, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -320,12 +338,13 @@ def _law_pvalues(target_hf, target, drafter_factory, n=3000):
     return [law_pvalue(counts[0], first, n), law_pvalue(counts[1], second, n)], engine
 
 
-def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_hf, target):
+@pytest.mark.parametrize("layers", [(-1,), FUSED], ids=["eagle1", "eagle3"])
+def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_hf, target, layers):
     """The head drafts from a distribution that is zero outside its subset and truncated to its top 8:
     the emitted tokens still follow the target's law (first and second token, chi-square). The second
     token comes from a speculative step. Negative control: the same drafts with a wrong claimed law fail."""
     subset = torch.arange(0, VOCAB, 3)  # a third of the vocabulary
-    folder = str(make_head_dir(tmp_path, target[1], subset, scale=10.0))
+    folder = str(make_head_dir(tmp_path, target[1], subset, scale=10.0, layers=layers))
 
     def honest():
         return make_eagle_drafter(folder, *embeddings(target), num_blocks=2048, block_size=4, top_n=8)

@@ -367,3 +367,36 @@ def test_real_target_matches_transformers(real_target: Pair) -> None:
     out = paged.step(second)
     references = paged.check(second, out, atol)
     assert torch.equal(torch.cat(out).argmax(-1), torch.cat(references).argmax(-1))
+
+
+def test_captured_layers_equal_transformers_hidden_states() -> None:
+    """forward_with_hidden(items, layers): decoder layers' outputs and the final normed state, side by side in
+    the order asked, from a mixed call (a prefill chunk after cached tokens, k + 1 scoring rows, a prefill),
+    equal transformers' hidden states at the same positions (hidden_states[i + 1] is layer i's output; the
+    last one is the final normed state)."""
+    pair = make_pair(CASE_BY_ID["llama-llama3-rope-3layers"])
+    paged = Paged(pair, block_size=4)
+    a, b, c = Seq(), Seq(), Seq()
+    first = [(a, paged.tokens(9), 1), (b, paged.tokens(6), 1)]
+    paged.step(first)
+    layers = (1, -1, 0)  # not sorted: the caller's order is the layout
+    work = [(a, paged.tokens(5), 5), (b, paged.tokens(3), 1), (c, paged.tokens(10), 1)]
+    items = []
+    for seq, new, num_logits in work:
+        while len(seq.table) * paged.block_size < len(seq.tokens) + len(new):
+            seq.table.append(paged.free.pop())
+        items.append(ForwardItem(list(seq.table), len(seq.tokens), list(new), num_logits))
+    logits, features = paged.runner.forward_with_hidden(items, layers)
+    _, final_only = paged.runner.forward_with_hidden(items)  # the default: the final normed state alone
+    h = pair.arch.hidden_size
+    for (seq, new, _), item, feats, final in zip(work, items, features, final_only, strict=True):
+        tokens = seq.tokens[: item.num_cached] + new
+        with torch.no_grad():
+            hidden = pair.hf(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+        rows = slice(item.num_cached, len(tokens))
+        assert feats.shape == (len(new), len(layers) * h)
+        for i, layer in enumerate(layers):
+            expected = hidden[-1 if layer == -1 else layer + 1][0, rows]
+            assert_close(feats[:, i * h : (i + 1) * h], expected, ATOL, f"layer {layer}")
+        assert_close(final, hidden[-1][0, rows], ATOL, "final")
+    assert [lg.shape[0] for lg in logits] == [5, 1, 1]

@@ -1,18 +1,36 @@
-"""The trainer's whole pipeline on a tiny random target (`--quick`): data, subset, training, card, resume."""
+"""The trainer: the whole pipeline on a tiny random target (`--quick`: data, subset, training, held-out
+selection, card, resume), which positions are scored, the training-time-test unroll against a hand-written
+two-step case, and the held-out measure against greedy drafting with the serving head."""
 
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 
+import pytest
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 
+from shared.kv.cache import KVCache
+from shared.model.attention import SeqSpan, build_metadata, default_scale
+from shared.model.eagle import (
+    _rms_norm,
+    arch_from_config,
+    build_head,
+    head_config,
+    init_head_state,
+    load_head_state,
+    reference_forward,
+    save_head,
+)
+from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
+from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset
-from specdec_train.train import TrainConfig, make_batches
+from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, paced_steps, scored, unrolled_forward
+from tests.tiny import ours, tiny_hf_model
 
 
 def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
@@ -21,52 +39,237 @@ def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
     main(args)
     config = json.loads((out / "config.json").read_text())
     assert config["architectures"] == ["SpecdecEagleHead"] and config["draft_vocab_size"] == 64
+    assert config["target_feature_layers"] == [0, 2, 3]  # a low, a middle and a high layer of the 4-layer target
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         names = set(f.keys())
-        dtypes = {name: f.get_tensor(name).dtype for name in names}
         first = {name: f.get_tensor(name) for name in names}
-    assert "vocab_subset" in names and not any("embed" in n or "lm_head" in n for n in names)
-    assert {d for n, d in dtypes.items() if n != "vocab_subset"} == {torch.float16}
+    assert {"vocab_subset", "fuse.weight", "norm.weight"} <= names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert {t.dtype for n, t in first.items() if n != "vocab_subset"} == {torch.float16}
+    assert first["fuse.weight"].shape == (64, 3 * 64)
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     card = (out / "README.md").read_text()
-    assert "python -m specdec_train" in card and "mean accepted length" in card
+    assert "python -m specdec_train" in card and "tokens per verify step" in card
     shards = sorted((work / "data").glob("shard-*.pt"))
     stamps = [p.stat().st_mtime_ns for p in shards]
     checkpoint = work / "checkpoint-seed0.pt"
-    assert torch.load(checkpoint)["step"] == 12
+    ckpt = torch.load(checkpoint, weights_only=False)
+    assert ckpt["step"] == 6 and any("heldout" in h for h in ckpt["history"])
 
     main(args)  # everything is on disk: nothing is generated or trained again
     assert [p.stat().st_mtime_ns for p in shards] == stamps
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(n), first[n]) for n in names)
+    main([*args, "--resume", "--steps", "8"])  # a further sitting trains on to 8 steps
+    assert torch.load(checkpoint, weights_only=False)["step"] == 8
 
 
-def test_frequency_subset_ranks_by_count_then_id():
-    samples = [{"tokens": torch.tensor([5, 5, 5, 9, 9, 2]), "prompt_len": 0}]
-    subset = frequency_subset(samples, vocab_size=12, size=5, always=(11,))
+def test_frequency_subset_ranks_generated_ids_by_count_then_id():
+    tokens = torch.tensor([4, 4, 4, 4, 5, 5, 5, 9, 9, 2])
+    generated = torch.tensor([False] * 4 + [True] * 6)  # the prompt's 4s do not count
+    subset = frequency_subset([{"tokens": tokens, "generated": generated}], vocab_size=12, size=5, always=(11,))
     assert subset.tolist() == [11, 5, 9, 2, 0]
 
 
 def test_help():
     result = subprocess.run([sys.executable, "-m", "specdec_train", "--help"], capture_output=True, text=True)
-    assert result.returncode == 0 and "--quick" in result.stdout and "--time-budget-min" in result.stdout
+    assert result.returncode == 0 and "--quick" in result.stdout and "--resume" in result.stdout
 
 
-def test_batches_score_only_positions_that_draft_generated_tokens():
-    """Position j drafts token j + 2: with a 5-token prompt the first scored position is 4, and a window that
-    lies wholly inside a long prompt is left out; score_prompt=True scores every position with a target."""
+def test_scored_positions_follow_generated_runs():
+    """Position j drafts t_{j+2}; at unroll step s the chain t_{j-s+2} .. t_{j+2} must be the target's."""
+    generated = torch.tensor([0, 0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)  # prompt, answer, question
+    assert scored(generated, 1).nonzero().flatten().tolist() == [2, 3, 4, 8, 9]
+    assert scored(generated, 2).nonzero().flatten().tolist() == [3, 4, 9]
+    assert scored(generated, 3).nonzero().flatten().tolist() == [4]
+    assert not scored(generated, 4).any()
 
-    def sample(n_tokens: int, prompt_len: int) -> dict:
-        return {
-            "tokens": torch.arange(n_tokens, dtype=torch.int32),
-            "features": torch.randn(n_tokens - 1, 4).half(),
-            "prompt_len": prompt_len,
-        }
 
-    config = TrainConfig(batch_size=1, max_len=8)
-    (batch,) = make_batches([sample(9, 5)], config, random.Random(0))  # 8 positions: one window
-    assert batch.valid[0].tolist() == [False] * 4 + [True] * 3 + [False]
-    both = make_batches([sample(17, 12)], config, random.Random(0))  # windows [0, 8) and [8, 16)
-    assert [b.valid[0].tolist() for b in both] == [[False] * 3 + [True] * 4 + [False]]  # the second only
-    (every,) = make_batches([sample(9, 5)], TrainConfig(batch_size=1, max_len=8, score_prompt=True), random.Random(0))
-    assert every.valid[0].tolist() == [True] * 7 + [False]
+def _arch_and_state(fused: bool, seed: int = 0):
+    _, target_arch = ours(tiny_hf_model(seed=3, layers=4))
+    layers = (0, 2, 3) if fused else (-1,)
+    config = head_config(target_arch, 1, 16, layers)
+    arch = arch_from_config(config)
+    state = init_head_state(arch, torch.arange(16), seed, layers)
+    with torch.no_grad():
+        for name, t in state.items():
+            if name.endswith("proj.weight"):
+                t.mul_(10)  # attention that is far from uniform, so a wrong key would show
+            if "norm" in name:
+                t.uniform_(0.5, 1.5)
+    return arch, state, layers
+
+
+def test_unroll_step_two_equals_a_hand_written_draft():
+    """Step 2 at position j by hand: the head's input is its own state at j - 1, and its one layer attends to
+    step 1's keys at positions <= j - 1 and to its own key at j."""
+    arch, state, layers = _arch_and_state(fused=True)
+    rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings)
+    gen = torch.Generator().manual_seed(1)
+    seq_len, h = 7, arch.hidden_size
+    features = torch.randn(1, seq_len, len(layers) * h, generator=gen) * 5
+    embeds = torch.randn(1, seq_len, h, generator=gen)
+    with torch.no_grad():
+        steps = unrolled_forward(state, arch, rotary, features, embeds, 2)
+        p = "layers.0."
+        g = torch.cat([torch.zeros(1, 1, h), steps[0][:, :-1]], dim=1)[0]  # step 2's inputs: x1 at j - 1
+
+        def project(x: torch.Tensor, positions: torch.Tensor):
+            y = _rms_norm(x, state[f"{p}input_layernorm.weight"], arch.rms_norm_eps)
+            cos, sin = rotary(positions, x.dtype)
+            q = apply_rotary(
+                F.linear(y, state[f"{p}self_attn.q_proj.weight"]).view(-1, arch.num_heads, arch.head_dim), cos, sin
+            )
+            k = apply_rotary(
+                F.linear(y, state[f"{p}self_attn.k_proj.weight"]).view(-1, arch.num_kv_heads, arch.head_dim), cos, sin
+            )
+            v = F.linear(y, state[f"{p}self_attn.v_proj.weight"]).view(-1, arch.num_kv_heads, arch.head_dim)
+            return q, k, v
+
+        positions = torch.arange(seq_len)
+        fused = F.linear(_rms_norm(features[0].view(seq_len, 3, h), None, 1e-6).flatten(1), state["fuse.weight"])
+        x1 = F.linear(torch.cat([fused, embeds[0]], -1), state["fc.weight"], state["fc.bias"])
+        _, k1, v1 = project(x1, positions)  # step 1's keys: the real positions
+        x2 = F.linear(torch.cat([g, embeds[0]], -1), state["fc.weight"], state["fc.bias"])
+        q2, k2, v2 = project(x2, positions)
+        group = arch.num_heads // arch.num_kv_heads
+        for j in range(1, seq_len):
+            keys = torch.cat([k1[:j], k2[j : j + 1]])  # [j + 1, kv_heads, D]
+            values = torch.cat([v1[:j], v2[j : j + 1]])
+            heads = []
+            for head in range(arch.num_heads):
+                kv_head = head // group
+                weights = torch.softmax(keys[:, kv_head] @ q2[j, head] * default_scale(arch.head_dim), dim=0)
+                heads.append(weights @ values[:, kv_head])
+            x = x2[j] + F.linear(torch.cat(heads), state[f"{p}self_attn.o_proj.weight"])
+            y = _rms_norm(x, state[f"{p}post_attention_layernorm.weight"], arch.rms_norm_eps)
+            mlp = F.silu(F.linear(y, state[f"{p}mlp.gate_proj.weight"])) * F.linear(y, state[f"{p}mlp.up_proj.weight"])
+            x = x + F.linear(mlp, state[f"{p}mlp.down_proj.weight"])
+            torch.testing.assert_close(steps[1][0, j], x, atol=1e-4, rtol=1e-4)
+        # and step 1 is the plain causal forward on the fused features
+        torch.testing.assert_close(steps[0], reference_forward(state, arch, rotary, fused[None], embeds))
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_heldout_measure_is_greedy_drafting_with_the_serving_head(tmp_path, fused):
+    """For every start m, the serving head drafting greedily from the real features up to m accepts as many
+    tokens as the held-out measure says (a draft is accepted when it is the next token of the answer)."""
+    target_hf = tiny_hf_model(seed=5, layers=4)
+    model, target_arch = ours(target_hf)
+    arch, state, layers = _arch_and_state(fused, seed=2)
+    subset = torch.tensor([3, 7])  # two ids: about half the drafts hit the answer's tokens drawn from them
+    state["vocab_subset"] = subset
+    save_head(tmp_path, head_config(target_arch, 1, 2, layers), state)
+    embed, lm_head = model.embed_tokens.weight, model.lm_head_weight
+    head, _ = build_head(tmp_path, embed, lm_head)
+    gen = torch.Generator().manual_seed(3)
+    tokens = subset[torch.randint(0, 2, (24,), generator=gen)].int()
+    generated = torch.tensor([False] * 5 + [True] * 19)
+    from specdec_train.features import TargetFeatures
+
+    features = TargetFeatures(model, layers)
+    trainer = Trainer(arch, embed, lm_head, subset, TrainConfig(unroll=3), layers)
+    with torch.no_grad():
+        for name, value in load_head_state(tmp_path).items():  # the fp16 file's weights, as served
+            trainer.state[name].copy_(value)
+    k = 3
+    chain = HeldOut([{"tokens": tokens, "generated": generated}], features, k, max_len=64).measure(trainer)
+    ((_, layer_feats),) = features([tokens])
+    ids = tokens.long()
+    accepted, starts = torch.zeros(k), 0
+    for m in range(len(ids) - k - 1):
+        if not generated[m + 1 : m + k + 2].all():
+            continue
+        cache = KVCache(1, 16, 4, arch.num_kv_heads, arch.head_dim)
+        table = list(range(16))
+        out = head(
+            head.fuse_features(layer_feats[: m + 1]),
+            ids[1 : m + 2],
+            cache.layers,
+            build_metadata([SeqSpan(table, 0, m + 1)], 4),
+        )
+        guess, hits = out[-1], 0
+        for s in range(k):
+            draft = int(subset[head.compute_logits(guess[None]).argmax()])
+            if draft != int(ids[m + s + 2]):
+                break
+            hits += 1
+            guess = head(
+                guess[None], torch.tensor([draft]), cache.layers, build_metadata([SeqSpan(table, m + 1 + s, 1)], 4)
+            )[0]
+        accepted[:hits] += 1
+        starts += 1
+    assert chain.starts == starts and starts > 0
+    assert chain.per_position == pytest.approx((accepted / starts).tolist())
+    assert 0 < chain.per_position[0] < 1
+
+
+def test_make_batch_teacher_rows_line_up_with_scored_positions():
+    tokens = torch.arange(10, dtype=torch.int32)
+    generated = torch.tensor([False] * 3 + [True] * 7)
+    final = torch.arange(10.0).unsqueeze(1).repeat(1, 4)  # row i holds i: the teacher row tells its position
+    layers = torch.zeros(10, 8)
+    batch = make_batch([{"tokens": tokens, "generated": generated}], [(final, layers)], unroll=2, max_len=5)
+    assert batch is not None and batch.features.shape == (2, 5, 8)  # windows of positions [0, 5) and [5, 9)
+    assert batch.valid[0].tolist() == [[False, False, True, True, True], [True, True, True, False, False]]
+    assert batch.valid[1].tolist() == [[False, False, False, True, True], [False, True, True, False, False]]
+    # position j's teacher is the final state at j + 1
+    assert batch.teacher_feats[:, 0].tolist() == [3.0, 4.0, 5.0, 6.0, 7.0, 8.0]
+    assert batch.next_ids[1].tolist() == [6, 7, 8, 9, 0]
+
+
+def test_warm_start_from_an_eagle1_head_drafts_like_it():
+    """A fused head reading (0, -1) warm-started from an EAGLE-1 head gives, on the target's own features,
+    the EAGLE-1 head's logits up to the final state's RMS varying a little from position to position."""
+    target_hf = tiny_hf_model(seed=5, layers=4)
+    model, target_arch = ours(target_hf)
+    embed, lm_head = model.embed_tokens.weight, model.lm_head_weight
+    old_arch, old_state, _ = _arch_and_state(fused=False, seed=4)
+    layers = (0, -1)
+    trainer = Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
+    from specdec_train.features import TargetFeatures
+
+    tokens = torch.randint(0, 96, (1, 30), generator=torch.Generator().manual_seed(0))
+    ((final, feats),) = TargetFeatures(model, layers)([tokens[0]])
+    trainer.start_from(old_state, Batch(feats[None], tokens, final[None]))
+    rotary = RotaryEmbedding(old_arch.rope_parameters, old_arch.head_dim, old_arch.max_position_embeddings)
+    embeds = F.embedding(tokens, embed)
+    with torch.no_grad():
+        old_x = reference_forward(old_state, old_arch, rotary, final[None], embeds)
+        old_logits = old_x @ lm_head[:16].T
+        new_logits = trainer.logits(unrolled_forward(trainer.state, old_arch, rotary, feats[None], embeds, 1)[0])
+    assert ((new_logits - old_logits).norm() / old_logits.norm()).item() < 0.2
+    assert (old_logits.argmax(-1) == new_logits.argmax(-1)).float().mean() > 0.9
+    with pytest.raises(ValueError, match="include -1"):
+        Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), (0, 1)).start_from(old_state, None)
+
+
+def test_cached_features_are_those_recomputed_and_the_cache_is_bounded():
+    from specdec_train.features import CachedFeatures, TargetFeatures
+
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, 96, (n,), generator=gen, dtype=torch.int32) for n in (20, 7, 13)]
+    plain = TargetFeatures(model, (0, -1))
+    cached = CachedFeatures(TargetFeatures(model, (0, -1)), max_bytes=cached_bytes(plain, 27))
+    assert not cached.holds_all([20, 7, 13]) and cached.holds_all([20, 7])
+    first, again = cached(rows), cached(list(reversed(rows)))
+    assert len(cached.store) == 2  # the third row did not fit
+    for (final, layers), (final2, layers2), reference in zip(first, reversed(again), plain(rows), strict=True):
+        for t in (final, final2):
+            torch.testing.assert_close(t, reference[0], atol=1e-5, rtol=1e-5)
+        for t in (layers, layers2):
+            torch.testing.assert_close(t, reference[1], atol=1e-5, rtol=1e-5)
+    hit = cached.store[rows[0].numpy().tobytes()]
+    assert cached([rows[0]])[0][0] is hit[0]  # served from memory, not recomputed
+
+
+def cached_bytes(features, num_tokens: int) -> int:
+    return num_tokens * 3 * features.model.arch.hidden_size * 4  # final + 2 layers, fp32
+
+
+def test_paced_steps_count_the_prefill_once_when_it_is_cached():
+    # 10 paced steps took 100 s, 60 of them the prefill; an epoch is 20 steps.
+    assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=False) == 100
+    assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=True) == 20 + 200  # 200 s, then 4 s a step
+    assert paced_steps(150.0, 100.0, 60.0, 20, prefill_once=True) == 15  # the budget ends in the first epoch

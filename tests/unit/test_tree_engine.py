@@ -18,7 +18,7 @@ from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import LAW_PROMPT, law_pvalue
 from tests.tiny import hf_greedy, ours, tiny_hf_model
-from tests.unit.test_eagle import embeddings, make_head_dir
+from tests.unit.test_eagle import FUSED, embeddings, make_head_dir
 from verifier_service import tree_verify
 from verifier_service.engine import EngineConfig
 
@@ -102,12 +102,12 @@ class RandomTrees:
             self.history.pop(seq_id, None)
 
 
-def eagle_drafter(tmp_path, target):
-    folder = str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB)))
+def eagle_drafter(tmp_path, target, layers=(-1,)):
+    folder = str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB), layers=layers))
     return make_eagle_drafter(folder, *embeddings(target), num_blocks=512, block_size=4)
 
 
-@pytest.mark.parametrize("drafter", ["weak", "same", "eagle", "random"])
+@pytest.mark.parametrize("drafter", ["weak", "same", "eagle", "eagle3", "random"])
 @pytest.mark.parametrize(("k", "nodes", "max_num_seqs"), [(3, 8, 1), (4, 10, 8)])
 def test_greedy_with_trees_equals_transformers(
     tmp_path, target_hf, target, weak_draft, drafter, k, nodes, max_num_seqs
@@ -116,6 +116,7 @@ def test_greedy_with_trees_equals_transformers(
         "weak": lambda: weak_draft,
         "same": lambda: target,
         "eagle": lambda: eagle_drafter(tmp_path, target),
+        "eagle3": lambda: eagle_drafter(tmp_path, target, FUSED),
         "random": lambda: RandomTrees(target_hf),
     }[drafter]()
     engine = engine_with(target, d, k=k, nodes=nodes, max_num_seqs=max_num_seqs)

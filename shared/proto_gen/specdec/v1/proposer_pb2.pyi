@@ -128,7 +128,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, max_tree_nodes: _Optional[int] = ..., max_draft_support: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype")
+    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype", "target_feature_layers")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +138,7 @@ class GetInfoResponse(_message.Message):
     NEEDS_TARGET_FEATURES_FIELD_NUMBER: _ClassVar[int]
     TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
     kind: ProposerKind
     model: str
     vocab_size: int
@@ -147,4 +148,5 @@ class GetInfoResponse(_message.Message):
     needs_target_features: bool
     target_hidden_size: int
     feature_dtype: FeatureDtype
-    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., needs_target_features: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., feature_dtype: _Optional[_Union[FeatureDtype, str]] = ...) -> None: ...
+    target_feature_layers: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., needs_target_features: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., feature_dtype: _Optional[_Union[FeatureDtype, str]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
