@@ -16,6 +16,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from proposer_service.draft_ahead import SpeculationCache
 from proposer_service.suffix import SuffixDrafter
 from proposer_service.suffix_telemetry import register_suffix_metrics
 from shared.proto_gen.specdec.v1 import proposer_pb2
@@ -49,8 +50,8 @@ class ProposerTelemetry:
             lambda: servicer.open_streams,
             "{stream}",
         )
-        cache = getattr(servicer.drafter, "cache", None)  # drafting ahead (proposer_service/draft_ahead.py)
-        if cache is not None:
+        cache = getattr(servicer.drafter, "cache", None)
+        if isinstance(cache, SpeculationCache):  # drafting ahead (the suffix drafter's cache is another thing)
             for name, description in (
                 ("hits", "rounds answered from drafting ahead's speculation cache"),
                 ("misses", "rounds drafted on demand while drafting ahead is on (the outcome was not guessed)"),

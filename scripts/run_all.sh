@@ -166,7 +166,7 @@ log "logs: $LOGDIR"
 PROPOSER_ARGS=(--kind "$KIND" --host "$HOST" --port "$PROPOSER_PORT" --metrics-port "$PROPOSER_METRICS_PORT")
 [[ "$KIND" == draft-model ]] && PROPOSER_ARGS+=(--model "$DRAFT")
 [[ "$KIND" == eagle ]] && PROPOSER_ARGS+=(--model "$HEAD" --target-model "$TARGET")
-[[ "$KIND" != ngram ]] && PROPOSER_ARGS+=(--draft-ahead "$DRAFT_AHEAD")
+[[ "$KIND" == eagle || "$KIND" == draft-model ]] && PROPOSER_ARGS+=(--draft-ahead "$DRAFT_AHEAD")
 start proposer specdec-proposer proposer_service.server "${PROPOSER_ARGS[@]}"
 start verifier specdec-verifier verifier_service.server --model "$TARGET" --proposer "$HOST:$PROPOSER_PORT" \
   --num-speculative-tokens "$K" --host "$HOST" --port "$VERIFIER_PORT" --metrics-port "$VERIFIER_METRICS_PORT"

@@ -62,6 +62,7 @@ from shared.tls import ClientTLS, aio_channel, sync_channel
 from specdec_bench.engine_bench import NUM_THREADS, chat_ids
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
 from specdec_bench.report import load_average, run_meta, write_report
+from specdec_local.run_figures import figures, scrape
 
 HOST = "127.0.0.1"
 K = 4
@@ -74,6 +75,8 @@ MARK_START = "<!-- gateway-bench:start -->"
 MARK_END = "<!-- gateway-bench:end -->"
 MARK_START_HALF = "<!-- gateway-bench-half:start -->"  # a run with a half-precision target (--dtype)
 MARK_END_HALF = "<!-- gateway-bench-half:end -->"
+MARK_START_SPLIT = "<!-- gateway-bench-split:start -->"  # --placement split: each service on its own core
+MARK_END_SPLIT = "<!-- gateway-bench-split:end -->"
 OVERHEAD_TARGET = 0.10
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,7 +95,9 @@ class GwConfig:
 
 
 SAMPLED_T = 0.8
-K_ADAPTIVE = 6  # the engine's default policy picks k <= 6 per sequence: one head position costs ~0.07 step
+K_ADAPTIVE = 4  # what `make run` serves: the engine's policy picks k <= 4 per sequence
+AHEAD = 3  # --draft-ahead: the proposer's likeliest outcomes drafted while the verifier scores
+TREE_NODES = 8  # --max-tree-nodes of the tree rows
 CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("t", "target only (k=0)", "general", "target"),
     GwConfig("d4", "draft model, k=4", "general", "draft"),
@@ -103,6 +108,22 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("ga", f"EAGLE head, adaptive k<={K_ADAPTIVE} (default)", "general", "eagle-adaptive"),
     GwConfig(
         "gas", f"EAGLE head, adaptive k<={K_ADAPTIVE}, T={SAMPLED_T:g}", "general", "eagle-adaptive", SAMPLED_T, "ts"
+    ),
+    GwConfig("g4d", f"EAGLE head, k=4, drafting ahead {AHEAD}", "general", "eagle-ahead"),
+    GwConfig(
+        "g4ds", f"EAGLE head, k=4, drafting ahead {AHEAD}, T={SAMPLED_T:g}", "general", "eagle-ahead", SAMPLED_T, "ts"
+    ),
+    GwConfig("gad", f"EAGLE head, adaptive k<={K_ADAPTIVE}, drafting ahead {AHEAD}", "general", "eagle-adaptive-ahead"),
+    GwConfig(
+        "gads",
+        f"EAGLE head, adaptive k<={K_ADAPTIVE}, drafting ahead {AHEAD}, T={SAMPLED_T:g}",
+        "general",
+        "eagle-adaptive-ahead",
+        SAMPLED_T,
+        "ts",
+    ),
+    GwConfig(
+        "gt", f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes", "general", "eagle-adaptive-tree"
     ),
     # the HTTP front end and logprobs, each against the gRPC draft-model row (their "× target" is "× d4")
     GwConfig("d4h", "draft model, k=4, HTTP/SSE (× d4)", "general", "draft", baseline="d4", front="http"),
@@ -164,6 +185,7 @@ class Proc:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = None
+    env: dict[str, str] = field(default_factory=dict)  # on top of the services' environment (placement)
 
     @property
     def address(self) -> str:
@@ -172,7 +194,12 @@ class Proc:
     def start(self) -> None:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_service_env(), cwd=ROOT
+                self.cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**_service_env(), **self.env},
+                cwd=ROOT,
             )
 
     def tail(self, n: int = 30) -> str:
@@ -201,6 +228,15 @@ class Stack:
     procs: list[Proc] = field(default_factory=list)
     tls: ClientTLS | None = None  # how this script reaches the services (secure_bench: mutual TLS)
     http_port: int = 0  # the gateway's OpenAI-compatible HTTP API (0: off)
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # role -> Prometheus port, as `make run` has them
+
+    def figures(self) -> list[str]:
+        """The speculation figures `make run` prints, over everything this stack served."""
+        if "verifier" not in self.metrics_ports:
+            return []
+        verifier = scrape(f"{HOST}:{self.metrics_ports['verifier']}")
+        proposer = scrape(f"{HOST}:{self.metrics_ports['proposer']}") if "proposer" in self.metrics_ports else {}
+        return figures(verifier, proposer)
 
     @property
     def gateway(self) -> Proc:
@@ -273,17 +309,40 @@ STACK_KINDS = {
     "draft": "draft-model",
     "eagle": "eagle",
     "eagle-adaptive": "eagle",
+    "eagle-ahead": "eagle",
+    "eagle-adaptive-ahead": "eagle",
+    "eagle-adaptive-tree": "eagle",
     "ngram": "ngram",
     "suffix-adaptive": "suffix",  # suffix_bench's stack: adaptive k <= K_SUFFIX
 }
 K_SUFFIX = 16  # suffix drafts are as long as the match is sure: the repeat of an answer drafts 16 at a time
 
 
+PLACEMENTS = ("co-located", "split")
+VERIFIER_CORE, PROPOSER_CORE = 0, 1  # split: the verifier's device and the proposer's (with gateway and client)
+
+
+def pinned(cmd: list[str], core: int | None) -> tuple[list[str], dict[str, str]]:
+    """`cmd` run on one core with one thread (split placement), or as is (None)."""
+    if core is None:
+        return cmd, {}
+    return ["taskset", "-c", str(core), *cmd], {"OMP_NUM_THREADS": "1"}
+
+
 def build_stacks(
-    log_dir: Path, target: str, draft: str, eagle_head: str | None = None, names: Sequence[str] = ()
+    log_dir: Path,
+    target: str,
+    draft: str,
+    eagle_head: str | None = None,
+    names: Sequence[str] = (),
+    placement: str = "co-located",
 ) -> dict[str, Stack]:
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
-    EAGLE head, n-gram; every proposer stack with k = 4 fixed."""
+    EAGLE head, n-gram; every proposer stack with k = 4 fixed unless its name says otherwise. `split`: the
+    verifier alone on core 0, the proposer and the gateway on core 1, one thread each (the deployment the
+    product is built for: each service on its own device)."""
+    split = placement == "split"
+    core_of = {"verifier": VERIFIER_CORE if split else None, "other": PROPOSER_CORE if split else None}
     stacks = {}
     names = names or [
         n for n in STACK_KINDS if STACK_KINDS[n] != "suffix" and (STACK_KINDS[n] != "eagle" or eagle_head)
@@ -293,31 +352,40 @@ def build_stacks(
         kind = STACK_KINDS[base]
         stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
+        stack.metrics_ports["verifier"] = free_port()
         verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
+        verifier += ["--metrics-port", str(stack.metrics_ports["verifier"])]
         verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", dtype]
         if kind is not None:
+            stack.metrics_ports["proposer"] = free_port()
             proposer = ["--kind", kind, "--host", HOST, "--port", str(ports["proposer"])]
+            proposer += ["--metrics-port", str(stack.metrics_ports["proposer"])]
             proposer += ["--max-model-len", str(MAX_MODEL_LEN)]
             if kind == "draft-model":
                 proposer += ["--model", draft, "--dtype", dtype]
             if kind == "eagle":
                 assert eagle_head is not None
                 proposer += ["--model", eagle_head, "--target-model", target]
-            cmd = _command("specdec-proposer", "proposer_service.server") + proposer
-            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_dir / f"{name}-proposer.log"))
+            if base.endswith("-ahead"):
+                proposer += ["--draft-ahead", str(AHEAD)]
+            if base.endswith("-tree"):
+                verifier += ["--max-tree-nodes", str(TREE_NODES)]
+            cmd, env = pinned(_command("specdec-proposer", "proposer_service.server") + proposer, core_of["other"])
+            log_path = log_dir / f"{name}-proposer.log"
+            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_path, env=env))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
-            if base.endswith("-adaptive"):
+            if "-adaptive" in base:
                 k = K_SUFFIX if kind == "suffix" else K_ADAPTIVE
                 verifier += ["--num-speculative-tokens", str(k), "--adaptive-k"]
             else:
                 verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
-        cmd = _command("specdec-verifier", "verifier_service.server") + verifier
-        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log"))
+        cmd, env = pinned(_command("specdec-verifier", "verifier_service.server") + verifier, core_of["verifier"])
+        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log", env=env))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
         gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
         gateway += ["--http-port", str(stack.http_port)]
-        cmd = _command("specdec-gateway", "gateway.server") + gateway
-        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log"))
+        cmd, env = pinned(_command("specdec-gateway", "gateway.server") + gateway, core_of["other"])
+        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log", env=env))
         stacks[name] = stack
     return stacks
 
@@ -767,6 +835,7 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
         (("g4", 8), ("t", 8)),
         (("ga", 1), ("t", 1)),
         (("ga", 8), ("t", 8)),
+        *(((key, n), ("t", n)) for key in ("g4d", "gad", "gt") for n in CLIENTS),
         (("t", 8), ("t", 1)),
     ]
     # a half-precision target's rows against its own target-only row (a near-tie may flip against fp32)
@@ -793,27 +862,47 @@ def _fmt(value, spec: str, default: str = "—") -> str:
     return default if value is None else format(value, spec)
 
 
+def markers(meta: dict) -> tuple[str, str]:
+    """A run's section of the report: half-precision targets and the split placement have their own."""
+    if meta.get("placement") == "split":
+        return MARK_START_SPLIT, MARK_END_SPLIT
+    if any(d in HALF_DTYPES for d in meta["dtypes"]):
+        return MARK_START_HALF, MARK_END_HALF
+    return MARK_START, MARK_END
+
+
 def render(summary: dict, meta: dict) -> str:
     m = meta["machine"]
     half = any(d in HALF_DTYPES for d in meta["dtypes"])
+    split = meta.get("placement") == "split"
     title = "## Gateway benchmark (`specdec_bench.gateway_bench`)"
     if half:
         title = f"## Gateway benchmark with half-precision targets (`--dtype {','.join(meta['dtypes'])}`)"
-    out = [MARK_START_HALF if half else MARK_START, title, ""]
+    if split:
+        title = "## Gateway benchmark, each service on its own core (`--placement split`)"
+    where = (
+        f"the verifier alone on core {VERIFIER_CORE}, the proposer, the gateway and this client on core "
+        f"{PROPOSER_CORE} (`taskset`, OMP_NUM_THREADS=1 each): the deployment the product is built for"
+        if split
+        else "every process on the same cores"
+    )
+    start, end = markers(meta)
+    out = [start, title, ""]
     out += [
         f"- Date: {meta['date']}; wall time of the whole benchmark: {meta['runtime_s'] / 60:.1f} min"
         + (" (**--quick smoke run: 1 run, short outputs; not a measurement**)" if meta["quick"] else ""),
         f"- Command: `{meta['command']}`",
-        f"- Machine: {m['cpu']}, {m['cores']} cores available, torch {m['torch']}, Python {m['python']}; every "
-        f"process on the same cores; load average at start / end: {meta['load_start']} / {meta['load_end']} "
+        f"- Machine: {m['cpu']}, {m['cores']} cores available, torch {m['torch']}, Python {m['python']}; "
+        f"{where}; load average at start / end: {meta['load_start']} / {meta['load_end']} "
         "(the machine is shared with other jobs)",
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (--dtype {', '.join(meta['dtypes'])}; "
         f"the EAGLE head stays fp32); EAGLE head: {meta['eagle']}",
         "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
         f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
         f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens), except the adaptive rows "
-        f"(`--num-speculative-tokens {K_ADAPTIVE} --adaptive-k`, the engine default policy); the EAGLE proposer is "
-        "`--kind eagle --model HEAD --target-model TARGET`",
+        f"(`--num-speculative-tokens {K_ADAPTIVE} --adaptive-k`, the engine default policy, as `make run`); "
+        f"drafting-ahead rows: proposer `--draft-ahead {AHEAD}`; tree rows: verifier `--max-tree-nodes {TREE_NODES}`; "
+        "the EAGLE proposer is `--kind eagle --model HEAD --target-model TARGET`",
         f"- Work: greedy (T = {SAMPLED_T:g} unseeded, i.e. rejection sampling, where the row says so), "
         f"{meta['max_tokens']} new "
         f"tokens per request (EOS ignored); 1 client: {meta['batch1_prompts']} prompt(s) one after another; "
@@ -880,9 +969,19 @@ def render(summary: dict, meta: dict) -> str:
                 f"-> client on the verifier), the gateway hop {o['tpot_gateway_hop_overhead']:+.1%} (client on the "
                 "verifier -> client on the gateway). The three are measured interleaved, request by request.",
             ]
+    if summary.get("figures"):
+        out += [
+            "",
+            "### Where the time goes (each speculating stack's own Prometheus figures, over all its runs and "
+            "warm-up, as `make run` prints them)",
+            "",
+        ]
+        for name, lines in summary["figures"].items():
+            if lines:
+                out += [f"- `{name}`: " + "; ".join(lines)]
     out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
     out += [f"- {line}" for line in summary["checks"]]
-    out += ["", "### How to read this", "", HOW_TO_READ, MARK_END_HALF if half else MARK_END, ""]
+    out += ["", "### How to read this", "", HOW_TO_READ, end, ""]
     return "\n".join(out)
 
 
@@ -934,6 +1033,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated target dtypes (float32, bfloat16, float16): a half dtype runs the rows "
         f"{','.join(HALF_TWINS)} among the selected ones again at that dtype, in the same run",
     )
+    parser.add_argument(
+        "--placement",
+        choices=PLACEMENTS,
+        default="co-located",
+        help="co-located: every process on all cores (default); split: the verifier alone on core 0 with one "
+        "thread, the proposer, the gateway and the client on core 1 (writes its own report section)",
+    )
     args = parser.parse_args(argv)
     from shared.settings import default_eagle_head
 
@@ -962,12 +1068,17 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(NUM_THREADS)
+    if args.placement == "split":  # the client shares the proposer's core, as a client beside a small device
+        os.sched_setaffinity(0, {PROPOSER_CORE})
+        torch.set_num_threads(1)
     log = Progress()
     load_start = load_average()
     target_name, draft_name = default_target_model(), default_draft_model()
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    stacks = build_stacks(log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names)
+    stacks = build_stacks(
+        log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names, args.placement
+    )
     log(f"starting {sum(len(s.procs) for s in stacks.values())} service processes; logs in {log_dir}")
     procs = [p for s in stacks.values() for p in s.procs]
     failed = False
@@ -982,7 +1093,7 @@ def main(argv: list[str] | None = None) -> int:
             "quoting": [chat_ids(tok, p) for p in QUOTING_PROMPTS],
         }
         inproc = None
-        if "d4" in keys:
+        if "d4" in keys and args.placement == "co-located":
             log("loading the in-process engine (target + draft) while the services start")
             inproc = InProcess(target_name, draft_name)
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
@@ -990,6 +1101,7 @@ def main(argv: list[str] | None = None) -> int:
             s.wait_ready(deadline)
         log(f"all services ready; plan {asdict(plan)}")
         summary = run_benchmark(stacks, inproc, prompt_ids, plan, log)
+        summary["figures"] = {name: s.figures() for name, s in stacks.items() if "proposer" in s.metrics_ports}
     except BaseException:
         failed = True
         raise
@@ -1017,13 +1129,13 @@ def main(argv: list[str] | None = None) -> int:
         else "not selected",
         "only": args.only,
         "dtypes": dtypes,
+        "placement": args.placement,
         **asdict(plan),
     }
     section = render(summary, meta)
     print(section)
     if args.out:
-        half = any(d in HALF_DTYPES for d in dtypes)
-        write_report(Path(args.out), section, *((MARK_START_HALF, MARK_END_HALF) if half else (MARK_START, MARK_END)))
+        write_report(Path(args.out), section, *markers(meta))
         log(f"wrote {args.out}")
     if args.json:
         Path(args.json).write_text(json.dumps({"meta": meta, **summary}, indent=1, default=str))

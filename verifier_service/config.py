@@ -19,7 +19,7 @@ class EngineConfig:
     max_waiting: int = 256
     # Draft only as far as it pays (see spec_policy.py); False drafts num_speculative_tokens always.
     adaptive_k: bool = True
-    probe_interval: int = 16  # steps between k = 1 probes of sequences the policy keeps at k = 0
+    probe_interval: int = 16  # every N steps a drafting plan drafts one token more or less (its costs measured)
     # Token trees: at most this many draft nodes per sequence (depth <= num_speculative_tokens); 0: chains only.
     max_tree_nodes: int = 0
 

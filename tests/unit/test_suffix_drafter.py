@@ -3,6 +3,7 @@ another), confidence and match length, deltas and resyncs, and the global tree's
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -234,3 +235,25 @@ def test_a_request_larger_than_the_budget_is_not_kept_and_budget_zero_keeps_none
 def test_bad_settings_are_refused(bad):
     with pytest.raises(ValueError):
         SuffixDrafter(**bad)
+
+
+def test_the_proposer_metrics_of_the_suffix_kind_read_without_errors(caplog):
+    """The suffix drafter has a cache of its own, not drafting ahead's: no drafting-ahead series, and no
+    metric callback fails when the metrics are read."""
+    from types import SimpleNamespace
+
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from proposer_service.telemetry import ProposerTelemetry
+    from shared.telemetry import setup_telemetry
+
+    reader = InMemoryMetricReader()
+    telemetry = setup_telemetry("specdec-proposer", metric_readers=[reader])
+    servicer = SimpleNamespace(drafter=SuffixDrafter(), messages=0, open_streams=0)
+    ProposerTelemetry(telemetry, servicer)
+    with caplog.at_level(logging.WARNING):
+        data = reader.get_metrics_data()
+    names = {m.name for rm in data.resource_metrics for sm in rm.scope_metrics for m in sm.metrics}
+    assert "specdec_proposer_suffix_proposals" in names
+    assert not {n for n in names if n.startswith("specdec_proposer_draft_ahead_")}
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
