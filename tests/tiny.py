@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -46,3 +47,20 @@ def hf_greedy(hf_model: LlamaForCausalLM, prompt: list[int], max_new_tokens: int
         torch.tensor([prompt]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0, **kwargs
     )
     return out[0, len(prompt) :].tolist()
+
+
+# The engine tests' pair, module-scoped: `from tests.tiny import tiny_target_hf, tiny_target, tiny_weak_draft` in a
+# test module gives it the fixtures target_hf, target and weak_draft (shadowing the real-model ones there only).
+@pytest.fixture(scope="module", name="target_hf")
+def tiny_target_hf() -> LlamaForCausalLM:
+    return tiny_hf_model(seed=1, logit_scale=8.0)
+
+
+@pytest.fixture(scope="module", name="target")
+def tiny_target(target_hf: LlamaForCausalLM):
+    return ours(target_hf)
+
+
+@pytest.fixture(scope="module", name="weak_draft")
+def tiny_weak_draft():
+    return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))

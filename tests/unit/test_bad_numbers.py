@@ -9,8 +9,8 @@ import torch
 
 from shared.errors import NumericalError, grpc_status_for
 from shared.sampling import MIN_TEMPERATURE, SamplingParams, logits_to_probs, params_to_tensors
-from tests.tiny import hf_greedy
-from tests.unit.test_engine import engine_with, prompts, target, target_hf  # noqa: F401 (fixtures)
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf  # noqa: F401 (fixtures)
+from tests.unit.test_engine import engine_with, prompts
 from verifier_service.sequence import FinishReason
 
 

@@ -17,26 +17,11 @@ from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import first_two_token_counts, law_pvalue, token_laws
-from tests.tiny import hf_greedy, ours, tiny_hf_model
+from tests.tiny import hf_greedy, ours, tiny_hf_model, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
 from tests.unit.test_eagle import embeddings, make_head_dir
 from verifier_service.engine import EngineConfig
 
 VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model(seed=1, logit_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def target(target_hf):
-    return ours(target_hf)
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))
 
 
 class Ahead:
@@ -106,12 +91,12 @@ def test_outcomes_are_ranked_by_their_probability():
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "eagle"])
-def test_a_hit_is_the_draft_on_demand_drafting_gives_and_a_miss_is_never_served(tmp_path, target, draft, kind):
+def test_a_hit_is_the_draft_on_demand_drafting_gives_and_a_miss_is_never_served(tmp_path, target, weak_draft, kind):
     rng = random.Random(3)
     tokens = [rng.randrange(1, VOCAB - 1) for _ in range(13)]
 
     def fresh():
-        return draft_model_drafter(draft) if kind == "draft-model" else eagle_drafter(tmp_path, target)
+        return draft_model_drafter(weak_draft) if kind == "draft-model" else eagle_drafter(tmp_path, target)
 
     def first_request() -> DraftRequest:
         features = features_for(target, tokens)[: len(tokens) - 1] if kind == "eagle" else None
@@ -149,8 +134,8 @@ def test_a_hit_is_the_draft_on_demand_drafting_gives_and_a_miss_is_never_served(
     assert ahead.cache.stats.misses == 1 and miss.token_ids == miss_twin.token_ids
 
 
-def test_an_unfinished_round_is_not_served_and_stale_drafting_ahead_stops(target, draft):
-    ahead = draft_model_drafter(draft)
+def test_an_unfinished_round_is_not_served_and_stale_drafting_ahead_stops(target, weak_draft):
+    ahead = draft_model_drafter(weak_draft)
     ahead.cache.ahead = 4
     tokens = [5, 6, 7, 8, 9]
     first = DraftRequest("s", 5, tokens, 3)
@@ -204,10 +189,10 @@ def test_greedy_with_drafting_ahead_equals_transformers(tmp_path, target_hf, tar
     assert inner.cache.stats.hits > 0  # some rounds really were answered from the cache
 
 
-def test_preemption_and_the_prefix_cache_with_drafting_ahead_keep_greedy_output(target_hf, target, draft):
+def test_preemption_and_the_prefix_cache_with_drafting_ahead_keep_greedy_output(target_hf, target, weak_draft):
     system = prompts(1, seed=40)[0]
     ps = [system + p for p in prompts(6, seed=41)]
-    engine = engine_with(target, Ahead(draft_model_drafter(draft)), k=4, max_num_seqs=6, num_blocks=48)
+    engine = engine_with(target, Ahead(draft_model_drafter(weak_draft)), k=4, max_num_seqs=6, num_blocks=48)
     params = SamplingParams(max_tokens=32, ignore_eos=True)
     first = run(engine, ps[:1], params)["r0"]
     outs = run(engine, ps[1:], params)
@@ -217,11 +202,11 @@ def test_preemption_and_the_prefix_cache_with_drafting_ahead_keep_greedy_output(
     assert engine.scheduler.num_preemptions > 0 and engine.scheduler.prefix_cache.hit_tokens > 0
 
 
-def test_seeded_text_is_the_same_with_and_without_drafting_ahead(target, draft):
+def test_seeded_text_is_the_same_with_and_without_drafting_ahead(target, weak_draft):
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=77, max_tokens=20, ignore_eos=True)
     ps = prompts(3, seed=50)
-    without = run(engine_with(target, draft_model_drafter(draft)), ps, params)
-    with_ahead = run(engine_with(target, Ahead(draft_model_drafter(draft))), ps, params)
+    without = run(engine_with(target, draft_model_drafter(weak_draft)), ps, params)
+    with_ahead = run(engine_with(target, Ahead(draft_model_drafter(weak_draft))), ps, params)
     assert without == with_ahead
 
 

@@ -13,27 +13,12 @@ from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
-from tests.tiny import hf_greedy, ours, tiny_hf_model
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.sequence import FinishReason
 
 VOCAB = 96
 EOS = VOCAB - 1
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model(seed=1, logit_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def target(target_hf):
-    return ours(target_hf)
-
-
-@pytest.fixture(scope="module")
-def weak_draft():
-    return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))
 
 
 def engine_with(target, drafter=None, k=3, max_num_seqs=4, num_blocks=None, block_size=4, max_model_len=128, **kw):

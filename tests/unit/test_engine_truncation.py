@@ -7,8 +7,8 @@ import pytest
 
 from shared.sampling import SamplingParams
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
-from tests.tiny import hf_greedy
-from tests.unit.test_engine import VOCAB, engine_with, prompts, run, target, target_hf, weak_draft  # noqa: F401
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
+from tests.unit.test_engine import VOCAB, engine_with, prompts, run
 from tests.unit.test_sampling import transformers_probs
 
 

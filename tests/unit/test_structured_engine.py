@@ -21,7 +21,8 @@ from shared.errors import InvalidRequestError
 from shared.grammar import GrammarCompiler, GrammarLogitsProcessor, StructuredOutput, allowed_tokens
 from shared.sampling import SamplingParams
 from tests.law import LAW_PROMPT, first_two_token_counts, law_pvalue
-from tests.unit.test_engine import EOS, VOCAB, engine_with, prompts, target, target_hf, weak_draft  # noqa: F401
+from tests.tiny import tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
+from tests.unit.test_engine import EOS, VOCAB, engine_with, prompts
 from tests.unit.test_sampling import transformers_probs
 
 FIRST_CHAR = 32  # token i is the character chr(32 + i) (space to '~'); token 95 is EOS

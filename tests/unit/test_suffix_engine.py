@@ -13,8 +13,8 @@ from proposer_service.suffix import GLOBAL, SuffixDrafter
 from shared.drafting import SparseProbs
 from shared.sampling import SamplingParams
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
-from tests.tiny import hf_greedy
-from tests.unit.test_engine import EOS, VOCAB, target, target_hf  # noqa: F401
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf  # noqa: F401 (fixtures)
+from tests.unit.test_engine import EOS, VOCAB
 from tests.unit.test_engine import engine_with as engine_of
 from verifier_service.engine import Engine
 

@@ -17,27 +17,12 @@ from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import LAW_PROMPT, law_pvalue
-from tests.tiny import hf_greedy, ours, tiny_hf_model
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
 from tests.unit.test_eagle import FUSED, embeddings, make_head_dir
 from verifier_service import tree_verify
 from verifier_service.engine import EngineConfig
 
 VOCAB = 96
-
-
-@pytest.fixture(scope="module")
-def target_hf():
-    return tiny_hf_model(seed=1, logit_scale=8.0)
-
-
-@pytest.fixture(scope="module")
-def target(target_hf):
-    return ours(target_hf)
-
-
-@pytest.fixture(scope="module")
-def weak_draft():
-    return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))
 
 
 def engine_with(target, drafter, k=3, nodes=8, max_num_seqs=4, num_blocks=None, **kw):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from shared.sampling import SamplingParams
-from tests.tiny import hf_greedy
-from tests.unit.test_engine import engine_with, prompts, run, target, target_hf, weak_draft  # noqa: F401
+from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
+from tests.unit.test_engine import engine_with, prompts, run
 
 
 def test_warm_up_leaves_no_request_no_block_no_count_and_the_same_output(target_hf, target, weak_draft):  # noqa: F811
