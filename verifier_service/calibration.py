@@ -46,7 +46,7 @@ def calibrate(engine) -> None:
                     start = time.perf_counter()
                     runner.forward(items)
                     seconds.append(time.perf_counter() - start)
-                engine.scheduler.policy.record_step(batch, batch * (k + 1), statistics.median(seconds[1:]))
+                engine.scheduler.policy.record_calibration(batch, batch * (k + 1), statistics.median(seconds[1:]))
     finally:
         for seq in seqs:
             blocks.free(seq)

@@ -73,12 +73,22 @@ class AcceptanceEstimate:
 class StepTimes:
     """Recent times (seconds) per batch size and size (query tokens, or draft depth), fitted per batch size as a
     line through the medians (robust to the odd slow step); a batch size without a line of its own borrows the
-    slope of the nearest one that has."""
+    slope of the nearest one that has.
+
+    Times measured before serving (`calibrate`) fill the sizes not measured since, scaled by how the live times
+    compare with them where both exist: a warm-up timed on a busy machine (the other services starting beside
+    it) keeps its shape but not its level, so the sizes serving never tries do not stay as dear as they were."""
 
     def __init__(self, window: int = 16) -> None:
         self.window = window
         self.samples: dict[int, dict[int, deque[float]]] = {}
+        self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
         self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
+
+    def calibrate(self, batch: int, size: int, seconds: float) -> None:
+        if seconds > 0:
+            self.calibrated.setdefault(batch, {})[size] = seconds
+            self._lines.pop(batch, None)
 
     def add(self, batch: int, size: int, seconds: float) -> None:
         if seconds <= 0:
@@ -94,7 +104,7 @@ class StepTimes:
 
     def has_slope(self, batch: int) -> bool:
         """Measured at two sizes or more at this batch size."""
-        return len(self.samples.get(batch, {})) >= 2
+        return len(self._points(batch)) >= 2
 
     def slope(self, batch: int) -> float:
         line = self.line(batch)
@@ -109,7 +119,7 @@ class StepTimes:
         points = self._points(batch)
         if len(points) >= 2:
             return _line(points)
-        others = [b for b in self.samples if b != batch and len(self._points(b)) >= 2]
+        others = [b for b in {*self.samples, *self.calibrated} if b != batch and len(self._points(b)) >= 2]
         if not others:
             return (points[0][1], 0.0) if points else None
         nearest = min(others, key=lambda b: abs(b - batch))
@@ -120,7 +130,12 @@ class StepTimes:
         return base * batch / nearest if batch > nearest else base, slope
 
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
-        return [(size, statistics.median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t]
+        live = {size: (statistics.median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t}
+        warm_up = self.calibrated.get(batch, {})
+        ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in live]
+        scale = statistics.median(ratios) if ratios else 1.0
+        points = [(size, seconds * scale, 1) for size, seconds in warm_up.items() if size not in live]
+        return [(size, median, n) for size, (median, n) in live.items()] + points
 
 
 def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
@@ -241,6 +256,10 @@ class SpecPolicy:
     def record_step(self, batch: int, query_tokens: int, seconds: float) -> None:
         """A decode step's scoring time (every sequence fed one token plus its drafts)."""
         self.scoring.add(batch, query_tokens, seconds)
+
+    def record_calibration(self, batch: int, query_tokens: int, seconds: float) -> None:
+        """A scoring time measured before serving (calibration.py)."""
+        self.scoring.calibrate(batch, query_tokens, seconds)
 
     def record_propose(self, batch: int, depth: int, tree: bool, seconds: float) -> None:
         """A propose call's time on the critical path, `depth` its deepest draft request."""

@@ -16,7 +16,7 @@ def test_warm_up_measures_scoring_times_per_batch_size_and_draft_length():
     engine.warm_up()
     scoring = engine.scheduler.policy.scoring
     for batch in (1, 2, 4, 6):
-        assert {batch * (k + 1) for k in (0, 1, 2, 4)} <= set(scoring.samples[batch])
+        assert {batch * (k + 1) for k in (0, 1, 2, 4)} <= set(scoring.calibrated[batch])
         assert scoring.has_slope(batch) and scoring.estimate(batch, batch) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert engine.stats.steps == 0  # the counters start from zero after the warm-up

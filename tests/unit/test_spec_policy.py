@@ -46,6 +46,23 @@ def test_step_times_fit_a_line_through_medians_and_borrow_a_slope():
     assert falling.slope(2) == 0.0  # never negative
 
 
+def test_a_warm_up_timed_on_a_busy_machine_is_scaled_to_the_live_times():
+    """The warm-up ran three times slower than serving (the other services were starting): the sizes serving has
+    not tried since keep the warm-up's shape at the live level, instead of staying three times too dear."""
+    times = StepTimes()
+    for q in (1, 2, 5):  # 3x a step of 0.0375 + 0.0025 per query token
+        times.calibrate(1, q, 3 * (0.0375 + 0.0025 * q))
+    assert times.estimate(1, 5) == pytest.approx(0.150)  # nothing live yet: the warm-up as measured
+    for _ in range(4):
+        times.add(1, 1, 0.040)  # serving at k = 0
+    assert times.estimate(1, 1) == pytest.approx(0.040)
+    assert times.estimate(1, 5) == pytest.approx(0.050)
+    assert times.slope(1) == pytest.approx(0.0025)
+    for _ in range(4):
+        times.add(1, 5, 0.060)  # measured live now: the live time wins over the scaled warm-up
+    assert times.estimate(1, 5) == pytest.approx(0.060, rel=0.05)
+
+
 # ---- a simulated engine ----------------------------------------------------------------------------
 
 
