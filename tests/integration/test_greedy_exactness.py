@@ -35,7 +35,7 @@ TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix
 BATCH8_COMBOS = (
     [*COMBOS, *TREE_COMBOS]
     if FULL_MATRIX
-    else [("draft", 3), ("ngram", 3), *(c for c in COMBOS if c[0] in ("eagle", "suffix")), TREE_COMBOS[0]]
+    else [("draft", 1), ("ngram", 3), *(c for c in COMBOS if c[0] in ("eagle", "suffix")), TREE_COMBOS[0]]
 )
 
 
