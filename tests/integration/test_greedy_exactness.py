@@ -30,7 +30,7 @@ COMBOS = (
     + [("suffix", k) for k in SUFFIX_KS]
 )
 TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix-tree", 5)]
-# The mixed batch of 8: in CI one k per drafter (k = 1 and 5 of the draft model and n-gram, and the other trees, at
+# The mixed batch of 8: in CI one k per drafter (the draft model's other k and n-gram's, and the other trees, at
 # batch 1 below, cheaper, and through gRPC in the service tests); every combination under `make test-full`.
 BATCH8_COMBOS = (
     [*COMBOS, *TREE_COMBOS]
