@@ -19,6 +19,7 @@ from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import first_two_token_counts, law_pvalue, token_laws
 from tests.tiny import hf_greedy, ours, tiny_hf_model, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
 from tests.unit.test_eagle import embeddings, make_head_dir
+from tests.unit.test_tree_engine import prompts, run
 from verifier_service.engine import EngineConfig
 
 VOCAB = 96
@@ -157,21 +158,6 @@ def engine_with(target, drafter, k=3, max_num_seqs=4, num_blocks=None, adaptive=
         num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=128, adaptive_k=adaptive, **kw
     )
     return build_engine(target, drafter, config, CacheConfig(block_size=4, num_blocks=num_blocks))
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(1, VOCAB - 1) for _ in range(rng.randrange(3, 30))] for _ in range(n)]
-
-
-def run(engine, ps, params) -> dict[str, list[int]]:
-    for i, p in enumerate(ps):
-        engine.add_request(f"r{i}", p, params)
-    outs: dict[str, list[int]] = {}
-    while engine.has_unfinished():
-        outs.update({o.request_id: o.output_ids for o in engine.step() if o.finished})
-    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
-    return outs
 
 
 @pytest.mark.parametrize("kind", ["draft-model", "eagle"])
