@@ -19,7 +19,15 @@ from shared.telemetry import setup_telemetry
 from specdec_local.processes import free_port
 from specdec_local.run_figures import figures, scrape, value
 from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter
-from tests.service.test_verifier_service import PROMPTS, collect, reference, request, rest, start_verifier, stats
+from tests.service.test_verifier_service import (
+    PROMPTS,
+    collect,
+    kill_the_proposer_mid_generation,
+    reference,
+    request,
+    start_verifier,
+    stats,
+)
 
 MIXED = [PROMPTS[i % 3] + [i + 1] * (i % 4) for i in range(6)]
 
@@ -85,18 +93,12 @@ def test_proposer_killed_while_drafting_ahead_output_stays_exact_and_the_cache_r
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
-                outputs: list[list[int]] = [[], []]
-                for i, call in enumerate(calls):
-                    outputs[i] += (await call.read()).token_ids
-                while proposer.servicer.drafter.cache.stats.drafted == 0:  # it is drafting ahead by now
-                    await asyncio.sleep(0.005)
-                await proposer.server.stop(0)  # the proposer dies with its speculation cache
-                for i, call in enumerate(calls):
-                    for msg in await rest(call):
-                        outputs[i] += msg.token_ids
-                for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
-                    assert out == reference(tuple(prompt), 60)
+
+                async def drafting_ahead() -> None:  # stopped once it drafts ahead: it dies with its cache
+                    while proposer.servicer.drafter.cache.stats.drafted == 0:
+                        await asyncio.sleep(0.005)
+
+                await kill_the_proposer_mid_generation(stub, proposer, drafting_ahead)
                 assert remote.fallback_steps > 0
                 # back on the same port with an empty cache: the verifier reconnects and the cache refills
                 proposer = await start_ahead_proposer(port)

@@ -23,9 +23,9 @@ from tests.service.test_proposer_service import MAX_LEN, VOCAB, tiny_llama
 from tests.service.test_verifier_service import (
     PROMPTS,
     collect,
+    kill_the_proposer_mid_generation,
     reference,
     request,
-    rest,
     start_proposer,
     start_verifier,
     stats,
@@ -173,16 +173,7 @@ def test_proposer_killed_mid_stream_falls_back_exactly(head_dir):
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
-                outputs: list[list[int]] = [[], []]
-                for i, call in enumerate(calls):
-                    outputs[i] += (await call.read()).token_ids
-                await proposer.server.stop(0)
-                for i, call in enumerate(calls):
-                    for msg in await rest(call):
-                        outputs[i] += msg.token_ids
-                for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
-                    assert out == reference(tuple(prompt), 60)
+                await kill_the_proposer_mid_generation(stub, proposer)
                 assert remote.fallback_steps > 0
                 proposer = await start_eagle(head_dir, port)  # back on the same port: drafting resumes
                 assert await remote.wait_connected(10)

@@ -106,6 +106,23 @@ async def rest(call) -> list[verifier_pb2.VerifierGenerateResponse]:
     return messages
 
 
+async def kill_the_proposer_mid_generation(stub, proposer, before_kill=None) -> None:
+    """Two 60-token streams of PROMPTS[:2]; once each has its first message (and `before_kill` has returned) the
+    proposer stops; both streams must still finish with target-only decoding's tokens."""
+    calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
+    outputs: list[list[int]] = [[], []]
+    for i, call in enumerate(calls):
+        outputs[i] += (await call.read()).token_ids
+    if before_kill is not None:
+        await before_kill()
+    await proposer.server.stop(0)
+    for i, call in enumerate(calls):
+        for msg in await rest(call):
+            outputs[i] += msg.token_ids
+    for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
+        assert out == reference(tuple(prompt), 60)
+
+
 async def stats(stub) -> G.EngineStats:
     return (await stub.GetStats(verifier_pb2.VerifierGetStatsRequest())).stats
 
@@ -213,16 +230,7 @@ def test_proposer_killed_mid_generation_requests_finish_exactly_and_it_reconnect
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                calls = [stub.Generate(request(p, 60), timeout=60) for p in PROMPTS[:2]]
-                outputs: list[list[int]] = [[], []]
-                for i, call in enumerate(calls):
-                    outputs[i] += (await call.read()).token_ids
-                await proposer.server.stop(0)  # the proposer dies mid-generation
-                for i, call in enumerate(calls):
-                    for msg in await rest(call):
-                        outputs[i] += msg.token_ids
-                for prompt, out in zip(PROMPTS[:2], outputs, strict=True):
-                    assert out == reference(tuple(prompt), 60)
+                await kill_the_proposer_mid_generation(stub, proposer)
                 assert remote.fallback_steps > 0 and not (await stats(stub)).proposer_connected
                 # it comes back on the same port: the verifier reconnects and speculates again
                 proposer = await start_proposer(port)
