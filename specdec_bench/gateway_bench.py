@@ -172,6 +172,7 @@ def _command(script: str, module: str) -> list[str]:
 
 def _service_env() -> dict[str, str]:
     keep = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
+    keep.add("SPECDEC_LOG_LEVEL")  # e.g. DEBUG: the speculation policy's reasons, step by step
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"

@@ -52,7 +52,9 @@ class Acceptance:
 
     @property
     def per_position(self) -> list[float]:
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_at, self.drafted_at, strict=True)]
+        """Per draft position (a tree's depth): the share of rounds whose accepted path reached it, so that they
+        sum to tokens per verify step - 1 (a tree shallower than k in some rounds counts those as not reached)."""
+        return [a / self.rounds if self.rounds else 0.0 for a in self.accepted_at]
 
     def add(self, num_drafted: int, num_accepted: int) -> None:
         if not num_drafted:

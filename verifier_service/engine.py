@@ -459,7 +459,12 @@ class Engine:
             if draft.token_ids:
                 drafts[draft.seq_id] = trim(draft, s.draft_slots)
         step_tokens = self.config.num_speculative_tokens + 1  # the most one step commits
-        catch_up = any(not s.samples or len(r.new_token_ids) > step_tokens for s, r in drafting)
+        # The prompt's features go with the first decode step's request (the prefill computed them): a catch-up
+        # too, though it carries one new token.
+        catch_up = any(
+            not s.samples or len(r.new_token_ids) > step_tokens or _rows(r.features) > step_tokens
+            for (s, r), _ in answered
+        )
         return drafts, catch_up
 
     def _ask_early(self) -> None:
@@ -602,3 +607,7 @@ class Engine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release([seq.seq_id])
+
+
+def _rows(features: torch.Tensor | None) -> int:
+    return 0 if features is None else features.shape[0]

@@ -26,12 +26,15 @@ move its estimate as a running mean would (the prior counts as two), later ones 
 
 from __future__ import annotations
 
+import logging
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
 PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
+
+log = logging.getLogger("specdec.policy")
 
 
 @dataclass
@@ -79,8 +82,12 @@ class StepTimes:
     compare with them where both exist: a warm-up timed on a busy machine (the other services starting beside
     it) keeps its shape but not its level, so the sizes serving never tries do not stay as dear as they were."""
 
-    def __init__(self, window: int = 16) -> None:
+    def __init__(self, window: int = 16, scales_with_batch: bool = True) -> None:
         self.window = window
+        # A batch size measured nowhere: the nearest one's line, scaled by the batch ratio when larger (a target
+        # step), or as it is (a propose call: one batched forward, its cost far from linear in the batch; a
+        # guess on the cheap side drafts, is measured and corrects, one on the dear side is never tried).
+        self.scales_with_batch = scales_with_batch
         self.samples: dict[int, dict[int, deque[float]]] = {}
         self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
         self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
@@ -127,7 +134,8 @@ class StepTimes:
         if points:  # this batch's own level, the neighbour's slope
             size, seconds, _ = points[0]
             return seconds - slope * size, slope
-        return base * batch / nearest if batch > nearest else base, slope
+        scale = batch / nearest if batch > nearest and self.scales_with_batch else 1.0
+        return base * scale, slope
 
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
         live = {size: (statistics.median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t}
@@ -136,6 +144,10 @@ class StepTimes:
         scale = statistics.median(ratios) if ratios else 1.0
         points = [(size, seconds * scale, 1) for size, seconds in warm_up.items() if size not in live]
         return [(size, median, n) for size, (median, n) in live.items()] + points
+
+
+def _ms(seconds: float | None) -> str:
+    return "?" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
 def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
@@ -157,8 +169,8 @@ class Plan:
 class SpecPolicy:
     max_tree_nodes: int = 0  # 0: chains only
     scoring: StepTimes = field(default_factory=StepTimes)  # batch -> query tokens -> target step seconds
-    propose_chain: StepTimes = field(default_factory=StepTimes)  # batch -> draft depth -> propose call seconds
-    propose_tree: StepTimes = field(default_factory=StepTimes)
+    propose_chain: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> depth
+    propose_tree: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # -> call seconds
     _probes: int = 0
     _plain_steps: int = 0  # steps at plain decoding since the last probe
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
@@ -181,6 +193,20 @@ class SpecPolicy:
             if any(p.k for p in plans) and rate > drafting_rate:
                 drafting, drafting_rate = plans, rate
         self.probed = False
+        chosen = self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary)
+        if log.isEnabledFor(logging.DEBUG):
+            self._explain(seqs, chosen, plain_rate, drafting_rate)
+        return chosen
+
+    def _choose(
+        self,
+        seqs: list[tuple[AcceptanceEstimate, int]],
+        plain: list[Plan],
+        plain_rate: float,
+        drafting: list[Plan] | None,
+        drafting_rate: float,
+        vary: bool,
+    ) -> list[Plan]:
         if drafting is None:  # no position pays anywhere: the probe candidate drafts one token a sequence
             if not any(k_max for _, k_max in seqs):
                 return plain
@@ -198,6 +224,19 @@ class SpecPolicy:
             return self._vary(probe, seqs) if vary else probe
         self._plain_steps = 0
         return self._vary(drafting, seqs) if vary else drafting
+
+    def _explain(self, seqs, chosen: list[Plan], plain_rate: float, drafting_rate: float) -> None:
+        """Why this plan (the DEBUG log: `--log-level DEBUG` on the verifier)."""
+        batch = len(seqs)
+        depth = max((p.k for p in chosen), default=0) or 1
+        calls = self.propose_tree if any(p.tree_nodes for p in chosen) else self.propose_chain
+        log.debug(
+            "plan batch=%d alpha=%s chosen=%s probe=%s rate plain/drafting=%.1f/%.1f tok/s "
+            "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms",
+            batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]], [(p.k, p.tree_nodes) for p in chosen[:8]],
+            self.probed, plain_rate, drafting_rate, 1e3 * (self.scoring.estimate(batch, batch) or 0.0),
+            1e3 * self.scoring.slope(batch), depth, _ms(calls.estimate(batch, depth)),
+        )  # fmt: skip
 
     def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
         self._probes += 1

@@ -264,6 +264,36 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
         assert drafted_share < 0.35  # a draft the target rarely agrees with is mostly switched off
 
 
+def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
+    """The request asked early after the prefill carries the whole prompt and its features: a catch-up that
+    costs what the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
+    batch size out of the plan for good (402 ms a call at batch 8 in the gateway benchmark)."""
+
+    class EarlyFeatureDrafter(NgramDrafter):
+        """Takes early asks as the remote proposer does (send now, collect later) and wants the features."""
+
+        needs_target_features = True
+        rows: list[int] = []  # feature rows per request
+
+        def send(self, requests):
+            self.rows.extend(0 if r.features is None else r.features.shape[0] for r in requests)
+            return self.propose(requests)
+
+        def collect(self, drafts):
+            return drafts
+
+    engine = engine_with(target, EarlyFeatureDrafter(), k=2)
+    recorded: list[int] = []
+    engine.scheduler.policy.record_propose = lambda batch, depth, tree, seconds: recorded.append(depth)
+    prompt = prompts(1, seed=3)[0] * 3  # longer than a step commits
+    engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    rows = EarlyFeatureDrafter.rows
+    assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # asked early after the prefill, with the prompt
+    assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
+
+
 def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
     engine = engine_with(target, "same", k=4)
     ps = prompts(2, seed=31)

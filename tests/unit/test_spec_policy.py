@@ -40,6 +40,11 @@ def test_step_times_fit_a_line_through_medians_and_borrow_a_slope():
     assert times.slope(1) == pytest.approx(0.0025)
     times.add(8, 8, 0.066)  # one count at batch 8: its own level, batch 1's slope
     assert times.estimate(8, 16) == pytest.approx(0.066 + 8 * 0.0025)
+    assert times.estimate(4, 4) == pytest.approx(4 * 0.0375 + 4 * 0.0025)  # batch 1: its base 4 times, its slope
+    calls = StepTimes(scales_with_batch=False)  # a propose call: one batched forward, not batch times one
+    calls.add(1, 1, 0.010)
+    calls.add(1, 3, 0.020)
+    assert calls.estimate(8, 2) == pytest.approx(0.015)
     falling = StepTimes()
     falling.add(2, 2, 0.2)
     falling.add(2, 6, 0.1)

@@ -273,3 +273,15 @@ def test_paced_steps_count_the_prefill_once_when_it_is_cached():
     assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=False) == 100
     assert paced_steps(1000.0, 100.0, 60.0, 20, prefill_once=True) == 20 + 200  # 200 s, then 4 s a step
     assert paced_steps(150.0, 100.0, 60.0, 20, prefill_once=True) == 15  # the budget ends in the first epoch
+
+
+def test_acceptance_per_position_sums_to_the_tokens_per_step():
+    """Per position: the share of rounds whose accepted path reached it, also when a tree is shallower than k
+    in some rounds (a share of the rounds that drafted that deep would not add up)."""
+    from specdec_train.report import Acceptance
+
+    result = Acceptance(4, drafted_at=[0] * 4, accepted_at=[0] * 4)
+    for depth, accepted in ((4, 4), (3, 3), (4, 1), (2, 0)):
+        result.add(depth, accepted)
+    assert result.per_position == pytest.approx([3 / 4, 2 / 4, 2 / 4, 1 / 4])
+    assert 1 + sum(result.per_position) == pytest.approx(result.mean_accepted_length)
