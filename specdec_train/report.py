@@ -43,7 +43,6 @@ class Acceptance:
     k: int
     rounds: int = 0
     accepted: int = 0
-    drafted_at: list[int] = field(default_factory=list)  # per draft position: rounds that drafted it
     accepted_at: list[int] = field(default_factory=list)  # per draft position: rounds that accepted it
 
     @property
@@ -63,14 +62,13 @@ class Acceptance:
         self.accepted += num_accepted
         # A tree's nodes outnumber its depths (<= k): position i is then depth i, drafted in every round.
         for i in range(min(num_drafted, self.k)):
-            self.drafted_at[i] += 1
             self.accepted_at[i] += i < num_accepted
 
 
 def measure_acceptance(engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> Acceptance:
     """Run the prompts through an engine with a fixed k; count accepted drafts per position."""
     k = engine.config.num_speculative_tokens
-    result = Acceptance(k, drafted_at=[0] * k, accepted_at=[0] * k)
+    result = Acceptance(k, accepted_at=[0] * k)
     for i, ids in enumerate(prompts):
         params = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=max_tokens)
         engine.add_request(f"eval{i}", ids, params)

@@ -280,7 +280,7 @@ def test_acceptance_per_position_sums_to_the_tokens_per_step():
     in some rounds (a share of the rounds that drafted that deep would not add up)."""
     from specdec_train.report import Acceptance
 
-    result = Acceptance(4, drafted_at=[0] * 4, accepted_at=[0] * 4)
+    result = Acceptance(4, accepted_at=[0] * 4)
     for depth, accepted in ((4, 4), (3, 3), (4, 1), (2, 0)):
         result.add(depth, accepted)
     assert result.per_position == pytest.approx([3 / 4, 2 / 4, 2 / 4, 1 / 4])
