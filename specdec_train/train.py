@@ -57,6 +57,7 @@ class Batch:
     teacher_feats: torch.Tensor  # [N1, hidden] final normed state at j + 1 of each position valid at step 1
     valid: list[torch.Tensor] = field(default_factory=list)  # per unroll step: [B, S] bool, scored positions
     next_tokens: torch.Tensor | None = None  # [B, S] t_{j+2} (-1 where absent): the held-out measure's targets
+    positions: torch.Tensor | None = None  # [B, S] position in its window (packed rows); None: one window a row
 
 
 def scored(generated: torch.Tensor, step: int) -> torch.Tensor:  # [n] bool -> [n] bool
@@ -74,9 +75,11 @@ def scored(generated: torch.Tensor, step: int) -> torch.Tensor:  # [n] bool -> [
 
 
 def make_batch(
-    convs: list[dict], feats: list[tuple[torch.Tensor, torch.Tensor]], unroll: int, max_len: int
+    convs: list[dict], feats: list[tuple[torch.Tensor, torch.Tensor]], unroll: int, max_len: int, pack: bool = False
 ) -> Batch | None:
-    """Windows of at most max_len positions of the conversations (features computed over whole ones)."""
+    """Windows of at most max_len positions of the conversations (features computed over whole ones), one a row,
+    or with `pack` several short ones a row (first fit, longest first): a row of one window padded to max_len
+    costs the head as much as a full one, and a step's windows fill ~60% of their rows unpacked."""
     windows = []
     for conv, (final, layers) in zip(convs, feats, strict=True):
         tokens, n = conv["tokens"].long(), conv["tokens"].shape[0]
@@ -90,24 +93,44 @@ def make_batch(
                 windows.append((start, end, layers, final, tokens, window_valid))
     if not windows:
         return None
-    length = max(end - start for start, end, *_ in windows)
+    rows = _pack([end - start for start, end, *_ in windows], max_len) if pack else [[w] for w in range(len(windows))]
+    length = max(sum(windows[w][1] - windows[w][0] for w in row) for row in rows)
     width = windows[0][2].shape[1]
-    features = torch.zeros(len(windows), length, width)
-    next_ids = torch.zeros(len(windows), length, dtype=torch.int64)
-    next_tokens = torch.full((len(windows), length), -1, dtype=torch.int64)
-    valid = [torch.zeros(len(windows), length, dtype=torch.bool) for _ in range(unroll)]
+    features = torch.zeros(len(rows), length, width)
+    next_ids = torch.zeros(len(rows), length, dtype=torch.int64)
+    next_tokens = torch.full((len(rows), length), -1, dtype=torch.int64)
+    positions = torch.zeros(len(rows), length, dtype=torch.int64)  # padding: windows of one position each
+    valid = [torch.zeros(len(rows), length, dtype=torch.bool) for _ in range(unroll)]
     teacher = []
-    for b, (start, end, layers, final, tokens, window_valid) in enumerate(windows):
-        n = end - start
-        features[b, :n] = layers[start:end]
-        next_ids[b, :n] = tokens[start + 1 : end + 1]
-        ahead = tokens[start + 2 : end + 2]
-        next_tokens[b, : ahead.shape[0]] = ahead
-        for s in range(unroll):
-            valid[s][b, :n] = window_valid[s]
-        rows = torch.nonzero(window_valid[0]).squeeze(1) + start + 1
-        teacher.append(final[rows])
-    return Batch(features, next_ids, torch.cat(teacher), valid, next_tokens)
+    for b, row in enumerate(rows):
+        at = 0
+        for start, end, layers, final, tokens, window_valid in (windows[w] for w in row):
+            n, here = end - start, slice(at, at + end - start)
+            features[b, here] = layers[start:end]
+            next_ids[b, here] = tokens[start + 1 : end + 1]
+            ahead = tokens[start + 2 : end + 2]
+            next_tokens[b, at : at + ahead.shape[0]] = ahead
+            positions[b, here] = torch.arange(n)
+            for s in range(unroll):
+                valid[s][b, here] = window_valid[s]
+            teacher.append(final[torch.nonzero(window_valid[0]).squeeze(1) + start + 1])
+            at += n
+    return Batch(features, next_ids, torch.cat(teacher), valid, next_tokens, positions if pack else None)
+
+
+def _pack(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` in rows whose lengths sum to at most `capacity` (first fit, longest first)."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fit = next((r for r, left in enumerate(room) if left >= lengths[i]), None)
+        if fit is None:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return rows
 
 
 def unrolled_forward(
@@ -118,13 +141,17 @@ def unrolled_forward(
     next_embeds: torch.Tensor,  # [B, S, hidden]
     unroll: int,
     dropout: float = 0.0,
+    positions: torch.Tensor | None = None,  # [B, S] position in its window (Batch.positions); None: arange
 ) -> list[torch.Tensor]:  # per step s: [B, S, hidden], the head's state x at position j
     """Step 1 equals `shared.model.eagle.reference_forward` on the fused features; step s > 1 is drafting
     s - 1 tokens past the last real feature (module docstring). Attention to the earlier steps' keys is one
-    key per step (on a diagonal), so the cost stays that of S x S attention whatever the unroll."""
+    key per step (on a diagonal), so the cost stays that of S x S attention whatever the unroll. In a packed
+    row no key is seen across windows; a window's first position reads the previous window's last state as
+    its step-s input, but the chains scored there start inside the window and never read it."""
     batch, seq_len, _ = features.shape
-    cos, sin = rotary(torch.arange(seq_len), features.dtype)
-    cos, sin = cos.repeat(batch, 1), sin.repeat(batch, 1)
+    if positions is None:
+        positions = torch.arange(seq_len).expand(batch, seq_len)
+    cos, sin = rotary(positions.reshape(-1), features.dtype)
     kv: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(arch.num_layers)]
     outputs = []
     inputs = reference_fuse(state, features)
@@ -132,31 +159,36 @@ def unrolled_forward(
         x = F.linear(torch.cat([inputs, next_embeds], dim=-1), state["fc.weight"], state["fc.bias"])
         x = F.dropout(x, dropout, training=dropout > 0)
         for i in range(arch.num_layers):
-            attend = _ttt_attention(kv[i], step, arch)
+            attend = _ttt_attention(kv[i], step, arch, positions)
             x = decoder_layer(state, f"layers.{i}.", arch, x, cos, sin, attend, dropout)
         outputs.append(x)
         inputs = torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)  # position j reads j - 1's state
     return outputs
 
 
-def _ttt_attention(kv: list[tuple[torch.Tensor, torch.Tensor]], step: int, arch: ModelArch) -> Callable:
+def _ttt_attention(
+    kv: list[tuple[torch.Tensor, torch.Tensor]], step: int, arch: ModelArch, positions: torch.Tensor
+) -> Callable:
     """Attention of unroll step `step`: real keys (step 1's) at positions <= j - step + 1, and step i's key at
-    j - (step - i) for i = 2..step. `kv` collects each step's keys and values ([B, kv_heads, S, D])."""
+    j - (step - i) for i = 2..step, all in j's window. `kv` collects each step's keys and values
+    ([B, kv_heads, S, D]); `positions` [B, S] are those in the window (a new window starts at 0)."""
     group, scale = arch.num_heads // arch.num_kv_heads, default_scale(arch.head_dim)
+    seq_len = positions.shape[1]
+    index = torch.arange(seq_len)
+    window = torch.cumsum(positions == 0, dim=1)  # [B, S] which window of its row
+    same_window = window.unsqueeze(2) == window.unsqueeze(1)  # [B, S, S]
+    real_ok = (same_window & (index.unsqueeze(0) <= index.unsqueeze(1) - step + 1)).unsqueeze(1)  # [B, 1, S, S]
 
     def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:  # q [B, heads, S, D]
         kv.append((k, v))
-        seq_len = q.shape[2]
         real_k, real_v = (t.repeat_interleave(group, dim=1) for t in kv[0])
-        pos = torch.arange(seq_len)
-        real_ok = pos.unsqueeze(0) <= pos.unsqueeze(1) - step + 1  # [S, S]
         scores = [(q @ real_k.transpose(-1, -2) * scale).masked_fill(~real_ok, float("-inf"))]  # [B, heads, S, S]
         diag_v = []
         for i in range(2, step + 1):
             shift = step - i
             ki, vi = (_shift(t.repeat_interleave(group, dim=1), shift) for t in kv[i - 1])
             score = (q * ki).sum(-1, keepdim=True) * scale  # [B, heads, S, 1]
-            scores.append(score.masked_fill((pos < shift).view(-1, 1), float("-inf")))
+            scores.append(score.masked_fill((positions < shift)[:, None, :, None], float("-inf")))
             diag_v.append(vi)
         probs = torch.softmax(torch.cat(scores, dim=-1), dim=-1)  # every row has its own step's key at least
         out = probs[..., :seq_len] @ real_v
@@ -250,7 +282,9 @@ class Trainer:
 
     def forward(self, batch: Batch, unroll: int, dropout: float = 0.0) -> list[torch.Tensor]:
         next_embeds = F.embedding(batch.next_ids, self.embedding)
-        return unrolled_forward(self.state, self.arch, self.rotary, batch.features, next_embeds, unroll, dropout)
+        return unrolled_forward(
+            self.state, self.arch, self.rotary, batch.features, next_embeds, unroll, dropout, batch.positions
+        )
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, draft_vocab]
         return reference_logits(self.state, hidden, self.subset_head, self.arch.rms_norm_eps)
@@ -384,7 +418,7 @@ class Trainer:
                 feature_started = time.monotonic()
                 feats = features([s["tokens"] for s in convs])
                 feature_seconds += time.monotonic() - feature_started
-                batch = make_batch(convs, feats, c.unroll, c.max_len)
+                batch = make_batch(convs, feats, c.unroll, c.max_len, pack=True)
                 if batch is None:  # nothing generated in these conversations: count the step, learn nothing
                     self.step += 1
                     bar.update(1)

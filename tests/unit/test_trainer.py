@@ -218,6 +218,37 @@ def test_make_batch_teacher_rows_line_up_with_scored_positions():
     assert batch.next_ids[1].tolist() == [6, 7, 8, 9, 0]
 
 
+def test_packed_windows_train_exactly_as_one_window_a_row():
+    """Packing short windows into shared rows changes no scored position's draft: the loss, every unroll step's
+    agreement and the gradients equal those of one window a row, in fewer rows."""
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    arch, state, layers = _arch_and_state(fused=True)
+    embed, lm_head = model.embed_tokens.weight, model.lm_head_weight
+    gen = torch.Generator().manual_seed(2)
+    convs, feats = [], []
+    for n in (23, 9, 14, 6, 17):  # with max_len 10: windows of 10, 10, 2 / 8 / 10, 3 / 5 / 10, 6
+        generated = torch.rand(n, generator=gen) > 0.2
+        convs.append({"tokens": torch.randint(0, 96, (n,), generator=gen).int(), "generated": generated})
+        feats.append((torch.randn(n, arch.hidden_size, generator=gen), torch.randn(n, 3 * 64, generator=gen) * 5))
+    results = []
+    for pack in (False, True):
+        trainer = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(unroll=3), layers)
+        with torch.no_grad():
+            for name, value in state.items():
+                trainer.state[name].copy_(value)
+        batch = make_batch(convs, feats, unroll=3, max_len=10, pack=pack)
+        assert batch is not None
+        loss, stats = trainer.loss(batch)
+        loss.backward()
+        results.append((batch.features.shape[0], loss.item(), stats, {n: t.grad for n, t in trainer.state.items()}))
+    (rows, loss, stats, grads), (packed_rows, packed_loss, packed_stats, packed_grads) = results
+    assert packed_rows < rows
+    assert packed_loss == pytest.approx(loss, rel=1e-5) and packed_stats == pytest.approx(stats, rel=1e-5)
+    for name, grad in grads.items():
+        if grad is not None:
+            torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-5)
+
+
 def test_warm_start_from_an_eagle1_head_drafts_like_it():
     """A fused head reading (0, -1) warm-started from an EAGLE-1 head gives, on the target's own features,
     the EAGLE-1 head's logits up to the final state's RMS varying a little from position to position."""
