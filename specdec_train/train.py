@@ -105,7 +105,8 @@ def make_batch(
     for b, row in enumerate(rows):
         at = 0
         for start, end, layers, final, tokens, window_valid in (windows[w] for w in row):
-            n, here = end - start, slice(at, at + end - start)
+            n = end - start
+            here = slice(at, at + n)
             features[b, here] = layers[start:end]
             next_ids[b, here] = tokens[start + 1 : end + 1]
             ahead = tokens[start + 2 : end + 2]
