@@ -77,7 +77,8 @@ class AttentionMetadata:
     context_lens: torch.Tensor  # [B] int32: cached + new tokens per sequence
     query_lens: list[int]  # new tokens per sequence
     max_query_len: int
-    query_pad_index: torch.Tensor | None  # [T] int64: row of each token in the padded [B * max_query_len]
+    # [T] int64: row of each token in the padded [B * max_query_len]; None when every sequence has max_query_len
+    query_pad_index: torch.Tensor | None
     attn_mask: torch.Tensor  # [B, 1, max_query_len, max_blocks * block_size] bool, True = attend
     # Set when the step is split into attention calls: (rows of T in the group [t] int64, the group's metadata).
     # The fields above that only attention reads are then empty: the groups carry their own.
@@ -167,8 +168,8 @@ def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str
     tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans], dtype=torch.int64)
     context_lens = torch.tensor([s.num_cached + s.num_new for s in spans], dtype=torch.int32)
 
-    pad_index = None
-    if len(spans) > 1 or max_query_len != len(positions):
+    pad_index = None  # equal query lengths (decode steps, every sequence drafting k): already in padded order
+    if len(set(query_lens)) > 1:
         pad_index = torch.tensor(
             [b * max_query_len + (max_query_len - n) + j for b, n in enumerate(query_lens) for j in range(n)],
             dtype=torch.int64,
@@ -206,7 +207,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
 def _pad_queries(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [T, H, D] -> [B, Qmax, H, D]
     if meta.query_pad_index is None:
-        return x.unsqueeze(0)
+        return x.reshape(meta.num_seqs, meta.max_query_len, *x.shape[1:])
     padded = x.new_zeros(meta.num_seqs * meta.max_query_len, *x.shape[1:])
     padded[meta.query_pad_index] = x
     return padded.view(meta.num_seqs, meta.max_query_len, *x.shape[1:])
