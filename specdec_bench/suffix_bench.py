@@ -24,8 +24,9 @@ shared and its load moves):
 
 In quoting and general rows every request has its own tenant, so the suffix drafter drafts only from the request's
 own text (nothing from other requests, as for n-gram and prompt lookup); the repeat section uses one tenant. Each
-row builds a fresh engine and drafter. The drafter's own time (propose and release calls) is measured in every
-suffix row; at batch 8 it is reported per proposed token against a target step at batch 8.
+row builds a fresh engine and drafter, warmed up as the verifier service warms up its own (a synthetic full
+batch, then the policy's scoring times at every batch size). The drafter's own time (propose and release calls)
+is measured in every suffix row; at batch 8 it is reported per proposed token against a target step at batch 8.
 """
 
 from __future__ import annotations
@@ -148,7 +149,11 @@ def new_engine(models: Models, row: Row, drafter: TimedDrafter | None):
         max_model_len=MAX_MODEL_LEN,
         max_tree_nodes=row.tree_nodes,
     )
-    return build_engine(models.target, drafter, config)
+    engine = build_engine(models.target, drafter, config)
+    # As the verifier service does before it serves (verifier_service/builder.py): the policy then starts from
+    # scoring times measured at every batch size, not from guesses where a closed batch shrinks to new sizes.
+    engine.warm_up()
+    return engine
 
 
 def run_engine(engine, drafter: TimedDrafter | None, prompts: list[list[int]], batch: int, max_tokens: int, tenants):
