@@ -37,6 +37,9 @@ def make_llm(job: dict):
             "model": job["draft"],
             "num_speculative_tokens": job["k"],
         }
+        # Its drafted / accepted counters (LLM.get_metrics) exist only with stats on; the rows without a draft
+        # keep vLLM's offline default (off) so they pay no logging.
+        kwargs["disable_log_stats"] = False
     return LLM(**kwargs)
 
 
