@@ -395,7 +395,8 @@ resolved to 0.125. Both engines compute bf16 products with fp32 accumulation; on
 (no AVX-512 BF16, AMX or AVX-NE-CONVERT) every bf16 product is conversions plus fp32 multiply-adds, so bf16 there
 buys memory, not speed (docs/engine.md, `--dtype`). Our acceptance is the timed runs' at that batch size; vLLM's
 is from its own counters (accepted / drafted tokens), which count each process's whole life: the warm-up pass and
-both batch sizes."""
+both batch sizes, and which exist only with its stats on, so its draft rows run with them on (its offline default
+is off; the target-only rows keep it)."""
 
 
 if __name__ == "__main__":
