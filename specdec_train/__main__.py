@@ -74,8 +74,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--init-from", type=Path, default=None,
-        help="warm start from this EAGLE-1 head (fc, layers and vocabulary subset; the fused input starts as its "
-        "final state: --feature-layers must include -1)",
+        help="warm start from this EAGLE-1 head (fc, layers and vocabulary subset): an EAGLE-1 head "
+        "(--feature-layers -1) trains on from its weights; a fused head's input starts as the final state "
+        "(--feature-layers must include -1)",
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out checks")
     p.add_argument("--eval-k", type=int, default=4)
@@ -219,8 +220,12 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
         reg_note=f" + {c.reg_weight} x smooth-L1(feature)" if c.reg_weight else "", unroll=c.unroll,
         step_decay=c.step_decay, train_minutes=trainer.seconds / 60,
         init_note=(
-            f"\n- Warm start (`--init-from {args.init_from}`): fc and decoder layer from that EAGLE-1 head, `fuse`"
-            " reading only the final state at first (`Trainer.start_from`)"
+            f"\n- Warm start (`--init-from {args.init_from}`): "
+            + (
+                "fc and decoder layer from that EAGLE-1 head, `fuse` reading only the final state at first"
+                if fused else "every weight of that EAGLE-1 head, trained on from there"
+            )
+            + " (`Trainer.start_from`)"
             + (f"; held-out measure at the start {start.mean_accepted_length:.2f}." if start else ".")
             if args.init_from else ""
         ),

@@ -257,8 +257,15 @@ class Trainer:
         """Warm start from an EAGLE-1 head (same layer shapes): its fc and decoder layers as they are, `fuse`
         reading only the final state (-1 must be among the layers) scaled back to the state's typical RMS,
         and the output norm scaled to the old head's typical output RMS (both measured on `batch`), so the new
-        head starts out drafting like the old one. The other layers' fuse columns start at 0."""
-        if "fuse.weight" in eagle1 or -1 not in self.feature_layers or "fuse.weight" not in self.state:
+        head starts out drafting like the old one. The other layers' fuse columns start at 0.
+        Into another EAGLE-1 head every weight is copied as it is: training goes on from that head (new data,
+        a longer unroll), e.g. a committed head trained on across sessions whose data did not survive."""
+        if "fuse.weight" in eagle1:
+            raise ValueError("a warm start takes an EAGLE-1 head (a fused head cannot start another)")
+        if "fuse.weight" not in self.state:
+            self._copy_in({name: value for name, value in eagle1.items() if name != "vocab_subset"})
+            return
+        if -1 not in self.feature_layers:
             raise ValueError("a warm start takes an EAGLE-1 head into a fused head whose layers include -1")
         hidden, slot = self.arch.hidden_size, self.feature_layers.index(-1)
         final = batch.features[..., slot * hidden : (slot + 1) * hidden]  # [B, S, hidden]
@@ -266,13 +273,16 @@ class Trainer:
         old_out = reference_forward(eagle1, self.arch, self.rotary, final, F.embedding(batch.next_ids, self.embedding))
         input_rms = float(final[real].pow(2).mean(-1).sqrt().mean())
         output_rms = float(old_out[real].pow(2).mean(-1).sqrt().mean())
-        for name, value in eagle1.items():
-            if name != "vocab_subset":
-                self.state[name].copy_(value)
+        self._copy_in({name: value for name, value in eagle1.items() if name != "vocab_subset"})
         fuse = self.state["fuse.weight"]  # [hidden, n * hidden]
         fuse.zero_()
         fuse[:, slot * hidden : (slot + 1) * hidden] = input_rms * torch.eye(hidden)
         self.state["norm.weight"].fill_(output_rms)
+
+    def _copy_in(self, weights: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            for name, value in weights.items():
+                self.state[name].copy_(value)
 
     def lr_at(self, step: int) -> float:
         c = self.config

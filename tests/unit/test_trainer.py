@@ -275,6 +275,26 @@ def test_warm_start_from_an_eagle1_head_drafts_like_it():
         Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), (0, 1)).start_from(old_state, None)
 
 
+def test_warm_start_of_an_eagle1_head_from_an_eagle1_head_goes_on_from_its_weights():
+    """Training on from a committed EAGLE-1 head: every weight copied as it is, so the first forward is the
+    old head's exactly; a fused head is refused as a source."""
+    arch, old_state, layers = _arch_and_state(fused=False, seed=4)
+    embed, lm_head = torch.randn(96, arch.hidden_size), torch.randn(96, arch.hidden_size)
+    trainer = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
+    assert not torch.equal(trainer.state["fc.weight"], old_state["fc.weight"])
+    trainer.start_from(old_state, None)
+    gen = torch.Generator().manual_seed(2)
+    features, next_ids = torch.randn(1, 9, arch.hidden_size, generator=gen) * 3, torch.randint(0, 96, (1, 9))
+    with torch.no_grad():
+        old = unrolled_forward(old_state, arch, trainer.rotary, features, F.embedding(next_ids, embed), 2)
+        new = trainer.forward(Batch(features, next_ids, features[0]), 2)
+    for old_step, new_step in zip(old, new, strict=True):
+        assert torch.equal(old_step, new_step)
+    _, fused_state, _ = _arch_and_state(fused=True)
+    with pytest.raises(ValueError, match="fused head cannot start"):
+        trainer.start_from(fused_state, None)
+
+
 def test_cached_features_are_those_recomputed_and_the_cache_is_bounded():
     from specdec_train.features import CachedFeatures, TargetFeatures
 
