@@ -248,9 +248,7 @@ def _sittings(trainer: Trainer) -> str:
 
 
 def _with_state(trainer: Trainer, state: dict[str, torch.Tensor]) -> Trainer:
-    with torch.no_grad():
-        for name, value in state.items():
-            trainer.state[name].copy_(value)
+    trainer.load_weights(state)
     return trainer
 
 

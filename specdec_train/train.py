@@ -262,8 +262,9 @@ class Trainer:
         a longer unroll), e.g. a committed head trained on across sessions whose data did not survive."""
         if "fuse.weight" in eagle1:
             raise ValueError("a warm start takes an EAGLE-1 head (a fused head cannot start another)")
+        weights = {name: value for name, value in eagle1.items() if name != "vocab_subset"}
         if "fuse.weight" not in self.state:
-            self._copy_in({name: value for name, value in eagle1.items() if name != "vocab_subset"})
+            self.load_weights(weights)
             return
         if -1 not in self.feature_layers:
             raise ValueError("a warm start takes an EAGLE-1 head into a fused head whose layers include -1")
@@ -273,13 +274,14 @@ class Trainer:
         old_out = reference_forward(eagle1, self.arch, self.rotary, final, F.embedding(batch.next_ids, self.embedding))
         input_rms = float(final[real].pow(2).mean(-1).sqrt().mean())
         output_rms = float(old_out[real].pow(2).mean(-1).sqrt().mean())
-        self._copy_in({name: value for name, value in eagle1.items() if name != "vocab_subset"})
+        self.load_weights(weights)
         fuse = self.state["fuse.weight"]  # [hidden, n * hidden]
         fuse.zero_()
         fuse[:, slot * hidden : (slot + 1) * hidden] = input_rms * torch.eye(hidden)
         self.state["norm.weight"].fill_(output_rms)
 
-    def _copy_in(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Copy `weights` into the trainable state in place (the optimizer keeps its parameters)."""
         with torch.no_grad():
             for name, value in weights.items():
                 self.state[name].copy_(value)
@@ -370,9 +372,7 @@ class Trainer:
         same_subset = torch.equal(ckpt["state"]["vocab_subset"], self.vocab_subset.long())
         if theirs != mine or ckpt.get("feature_layers", [-1]) != list(self.feature_layers) or not same_subset:
             raise ValueError(f"{path} was written with other training settings; delete it to start over")
-        with torch.no_grad():
-            for name, value in ckpt["state"].items():
-                self.state[name].copy_(value)
+        self.load_weights(ckpt["state"])
         self.optimizer.load_state_dict(ckpt["optimizer"])
         self.step, self.history, self.planned_steps = ckpt["step"], ckpt["history"], ckpt["planned_steps"]
         self.best, self.seconds, self.sittings = ckpt["best"], ckpt.get("seconds", 0.0), ckpt.get("sittings", [])
