@@ -15,3 +15,20 @@ torch.set_num_threads(2)
 
 # Real-model fixtures (session-scoped: models load once, references are generated once per run).
 from tests.real_models import draft, greedy_references, hf_target, prompts, target, tokenizer  # noqa: E402, F401
+
+
+def pytest_collection_finish(session) -> None:
+    """A session that will need the greedy references starts making them now (tests/real_models.py); the end-to-end
+    stacks ask for them while they load, so every test under tests/e2e counts as needing them."""
+    if session.config.option.collectonly:
+        return
+    if any("greedy_references" in item.fixturenames or "/e2e/" in item.nodeid for item in session.items):
+        from tests.real_models import start_references_in_background
+
+        start_references_in_background()
+
+
+def pytest_sessionfinish(session) -> None:
+    from tests.real_models import stop_background
+
+    stop_background()

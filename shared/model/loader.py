@@ -7,9 +7,12 @@ rebuilt too), so the de-quantised tensors are kept as safetensors in a cache key
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,21 +90,44 @@ def load_hf_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Any:
 def load_state_dict(source: ModelSource) -> dict[str, torch.Tensor]:
     if not source.gguf_file:
         return load_hf_model(source.name_or_path).state_dict()
+    from safetensors import SafetensorError
     from safetensors.torch import load_file, save_file
 
     cached = _gguf_cache_path(source)
     if cached.is_file():
         return load_file(str(cached))
-    gguf = Path(source.name_or_path) / str(source.gguf_file)
-    state = {k: v.contiguous() for k, v in load_hf_model(str(gguf)).state_dict().items() if k != "lm_head.weight"}
-    try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cached.with_suffix(f".tmp{os.getpid()}")
-        save_file(state, str(tmp))
-        tmp.replace(cached)  # atomic, so concurrent loaders never read a half-written file
-    except OSError as err:  # a read-only cache only costs time
-        log.warning("could not cache de-quantised GGUF weights at %s: %s", cached, err)
+    # Services started together on a cold cache (a pod's verifier and EAGLE proposer, the tests' stacks) would
+    # each spend 15-20 s of CPU de-quantising the same file: the first converts, the others wait and read it.
+    with _exclusive(cached.with_suffix(".lock")):
+        if cached.is_file():
+            return load_file(str(cached))
+        gguf = Path(source.name_or_path) / str(source.gguf_file)
+        state = {k: v.contiguous() for k, v in load_hf_model(str(gguf)).state_dict().items() if k != "lm_head.weight"}
+        try:
+            tmp = cached.with_suffix(f".tmp{os.getpid()}")
+            save_file(state, str(tmp))
+            tmp.replace(cached)  # atomic, so a reader without the lock never sees a half-written file
+        except (OSError, SafetensorError) as err:  # a read-only cache only costs time (safetensors' own I/O error)
+            log.warning("could not cache de-quantised GGUF weights at %s: %s", cached, err)
     return state
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    """An advisory lock across processes (flock: released by the kernel if its holder dies); none where the cache
+    folder cannot be written, where every loader converts on its own as before."""
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock_path, os.O_CREAT | os.O_RDWR, 0o644)
+    except OSError:
+        fd = None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # closing releases the lock
 
 
 def _gguf_cache_path(source: ModelSource) -> Path:

@@ -30,12 +30,13 @@ COMBOS = (
     + [("suffix", k) for k in SUFFIX_KS]
 )
 TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix-tree", 5)]
-# The mixed batch of 8: in CI one k per drafter (the draft model's other k and n-gram's, and the other trees, at
-# batch 1 below, cheaper, and through gRPC in the service tests); every combination under `make test-full`.
-BATCH8_COMBOS = (
-    [*COMBOS, *TREE_COMBOS]
-    if FULL_MATRIX
-    else [("draft", 1), ("ngram", 3), *(c for c in COMBOS if c[0] in ("eagle", "suffix")), TREE_COMBOS[0]]
+# The mixed batch of 8: in CI the model drafters, a chain and a tree (the draft model's other k, n-gram, suffix and
+# the other trees at batch 1 below, cheaper; suffix at batch 8 through gRPC in tests/service/test_suffix_service.py);
+# every combination under `make test-full`.
+BATCH8_COMBOS = [*COMBOS, *TREE_COMBOS] if FULL_MATRIX else [("draft", 1), ("eagle", EAGLE_KS[0]), TREE_COMBOS[0]]
+# Preemption by recompute: in CI a chain of each model drafter and a tree; the proposal-only drafters too in full.
+PREEMPTION_COMBOS = [("draft", 3), ("eagle", 3), ("eagle-tree", 4)] + (
+    [("ngram", 5), ("suffix", 5)] if FULL_MATRIX else []
 )
 
 
@@ -143,7 +144,7 @@ def test_batch_1(target, draft, prompts, greedy_references, kind, k, indices):
     assert_same(outputs, greedy_references, f"{kind} k={k} batch 1")
 
 
-@pytest.mark.parametrize(("kind", "k"), [("draft", 3), ("ngram", 5), ("eagle", 3), ("suffix", 5), ("eagle-tree", 4)])
+@pytest.mark.parametrize(("kind", "k"), PREEMPTION_COMBOS)
 def test_preemption_keeps_output(target, draft, prompts, greedy_references, kind, k):
     # 8 sequences of up to ~140 tokens need ~70 blocks of 16; 16 blocks (room for one 240-token
     # sequence) force preemption by recompute.

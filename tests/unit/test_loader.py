@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -185,3 +187,46 @@ def test_sliding_window_models_refuse_longer_contexts():
     qwen = ModelArch.from_hf_config(Qwen2Config(sliding_window=256, use_sliding_window=False))
     assert qwen.sliding_window is None
     qwen.check_context_length(100_000)
+
+
+# ---------------------------------------------------------------------- the de-quantised GGUF cache
+
+
+@pytest.fixture
+def counted_conversions(tmp_path: Path, monkeypatch) -> tuple[ModelSource, list[str]]:
+    """A GGUF folder whose conversion (transformers' de-quantisation) is a slow stand-in that counts its calls."""
+    from shared.model import loader
+
+    write(tmp_path / "m.gguf")
+    conversions: list[str] = []
+
+    def convert(path: str) -> torch.nn.Module:
+        conversions.append(path)
+        time.sleep(0.5)  # long enough for every loader below to be waiting at once
+        torch.manual_seed(0)
+        return torch.nn.Linear(4, 3)
+
+    monkeypatch.setattr(loader, "load_hf_model", convert)
+    return ModelSource.resolve(str(tmp_path)), conversions
+
+
+def test_loaders_starting_together_on_a_cold_cache_de_quantise_once(tmp_path, monkeypatch, counted_conversions):
+    from shared.model.loader import load_state_dict
+
+    source, conversions = counted_conversions
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "cache"))
+    with ThreadPoolExecutor(4) as pool:  # flock: separate opens conflict, within one process as across several
+        states = list(pool.map(lambda _: load_state_dict(source), range(4)))
+    assert len(conversions) == 1
+    assert all(s.keys() == {"weight", "bias"} and torch.equal(s["weight"], states[0]["weight"]) for s in states)
+    assert load_state_dict(source).keys() == {"weight", "bias"} and len(conversions) == 1  # later: the file
+
+
+def test_an_unwritable_cache_converts_every_time_and_still_loads(tmp_path, monkeypatch, counted_conversions):
+    from shared.model.loader import load_state_dict
+
+    source, conversions = counted_conversions
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(write(tmp_path / "a-file") / "cache"))  # mkdir fails under a file
+    assert load_state_dict(source).keys() == {"weight", "bias"}
+    assert load_state_dict(source).keys() == {"weight", "bias"}
+    assert len(conversions) == 2
