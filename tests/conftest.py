@@ -22,10 +22,14 @@ def pytest_collection_finish(session) -> None:
     stacks ask for them while they load, so every test under tests/e2e counts as needing them."""
     if session.config.option.collectonly:
         return
-    if any("greedy_references" in item.fixturenames or "/e2e/" in item.nodeid for item in session.items):
+    if any(_needs_references(item) for item in session.items):
         from tests.real_models import start_references_in_background
 
         start_references_in_background()
+
+
+def _needs_references(item) -> bool:
+    return "greedy_references" in getattr(item, "fixturenames", ()) or "/e2e/" in item.nodeid
 
 
 def pytest_sessionfinish(session) -> None:
