@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -76,8 +77,8 @@ class _Background:
     """The references being made by a second process, which writes them with the prompts they were made from."""
 
     def __init__(self) -> None:
-        folder = Path(tempfile.mkdtemp(prefix="specdec-references-"))
-        self.out, self.log = folder / "references.json", folder / "references.log"
+        self.folder = Path(tempfile.mkdtemp(prefix="specdec-references-"))
+        self.out, self.log = self.folder / "references.json", self.folder / "references.log"
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         with self.log.open("w") as log:
             self.process = subprocess.Popen(
@@ -93,6 +94,7 @@ class _Background:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
 
 
 _background: _Background | None = None
