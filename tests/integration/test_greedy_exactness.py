@@ -10,6 +10,7 @@ from proposer_service.eagle import make_eagle_drafter
 from proposer_service.ngram import NgramDrafter
 from proposer_service.suffix import SuffixDrafter
 from shared.drafting import Drafter
+from shared.model import attention
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from shared.settings import default_eagle_head
@@ -107,6 +108,19 @@ def test_mixed_batch_of_8(target, draft, prompts, greedy_references, kind, k):
     assert engine.stats.drafted_tokens > 0
     if kind.removesuffix("-tree") in ("draft", "eagle"):
         assert engine.stats.accepted_tokens > 0
+
+
+@pytest.mark.parametrize(("kind", "k"), [("eagle-tree", 4)])
+def test_mixed_batch_of_8_with_attention_cut_into_small_calls(
+    target, draft, prompts, greedy_references, monkeypatch, kind, k
+):
+    """The CPU cut of short queries into calls (attention.MAX_CALL_KEY_SLOTS) meets 8 sequences of this suite
+    only past ~1,000 tokens each: a bound of 512 key slots cuts every step (verify rows, tree nodes, the head's
+    own attention) into calls of 1-3 sequences, and the tokens stay the target's greedy ones."""
+    monkeypatch.setattr(attention, "MAX_CALL_KEY_SLOTS", 512)
+    engine = make_engine(target, draft, kind, k, max_num_seqs=8)
+    outputs = run_all(engine, {i: prompts[i] for i in range(1, 20, 2)}, max_tokens=64)
+    assert_same(outputs, greedy_references, f"{kind} k={k} batch 8, attention in calls of <= 512 keys", max_tokens=64)
 
 
 def test_greedy_ignores_top_p_and_top_k(target, draft, prompts, greedy_references):

@@ -1,0 +1,72 @@
+"""On CPU the short queries of a step are cut into attention calls of bounded gathered keys (a call pads each
+sequence to its longest context, and one large call costs several times its parts): every sequence lands in
+exactly one call, no call but a lone sequence exceeds the bound, and each sequence's output is its output alone to
+fp32 rounding, as in one call (a sequence's padding moves with every batch it is in: neither is bit-exact alone)."""
+
+from __future__ import annotations
+
+import torch
+
+from shared.model import attention
+from shared.model.attention import SeqSpan, TorchPagedAttention, build_metadata, paged_attention
+
+BLOCK = 16
+KV_HEADS, GROUP, DIM = 3, 3, 64
+
+
+def _spans(contexts: list[int], query_lens: list[int]) -> tuple[list[SeqSpan], int]:
+    spans, next_block = [], 1  # block 0 is the tables' padding
+    for context, new in zip(contexts, query_lens, strict=True):
+        blocks = -(-context // BLOCK)
+        spans.append(SeqSpan(list(range(next_block, next_block + blocks)), context - new, new))
+        next_block += blocks
+    return spans, next_block
+
+
+def _case(seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    contexts = torch.randint(20, 1500, (40,), generator=gen).tolist()
+    query_lens = [1 if b % 3 else 5 for b in range(40)]  # decode rows and k = 4 verify rows
+    contexts.append(300)
+    query_lens.append(200)  # a prefill chunk: a call of its own
+    spans, num_blocks = _spans(contexts, query_lens)
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    q = torch.randn(sum(query_lens), KV_HEADS * GROUP, DIM, generator=gen)
+    return spans, k_cache, v_cache, q
+
+
+def test_calls_cover_every_sequence_once_within_the_bound():
+    spans, *_ = _case()
+    meta = build_metadata(spans, BLOCK)
+    assert meta.groups is not None and len(meta.groups) > 2
+    rows = torch.cat([rows for rows, _ in meta.groups])
+    assert sorted(rows.tolist()) == list(range(sum(s.num_new for s in spans)))
+    for _, call in meta.groups:
+        slots = call.num_seqs * call.block_tables.shape[1] * BLOCK
+        assert call.num_seqs == 1 or slots <= attention.MAX_CALL_KEY_SLOTS
+
+
+def test_each_sequence_gets_its_output_alone_split_or_not(monkeypatch):
+    spans, k_cache, v_cache, q = _case(1)
+    backend = TorchPagedAttention()
+    split = paged_attention(backend, q, k_cache, v_cache, build_metadata(spans, BLOCK), 0.125)
+    monkeypatch.setattr(attention, "MAX_CALL_KEY_SLOTS", 1 << 40)
+    whole_meta = build_metadata(spans, BLOCK)
+    assert len(whole_meta.groups) == 2  # the prefill chunk, then every short query in one call
+    whole = paged_attention(backend, q, k_cache, v_cache, whole_meta, 0.125)
+    start = 0
+    for span in spans:
+        rows = slice(start, start + span.num_new)
+        alone = paged_attention(backend, q[rows], k_cache, v_cache, build_metadata([span], BLOCK), 0.125)
+        torch.testing.assert_close(split[rows], alone, rtol=0, atol=1e-6)
+        torch.testing.assert_close(whole[rows], alone, rtol=0, atol=1e-6)
+        start += span.num_new
+
+
+def test_small_steps_stay_one_call_and_cuda_keeps_short_queries_together():
+    spans, _ = _spans([300] * 8, [1] * 8)  # batch 8 at 300 tokens: 2,400 slots
+    assert build_metadata(spans, BLOCK).groups is None
+    spans, _ = _spans([1400] * 40, [1] * 40)
+    assert len(attention._attention_calls(spans, BLOCK, "cpu")) == 8  # 5 sequences of 88 blocks per call
+    assert attention._attention_calls(spans, BLOCK, "cuda") == [list(range(40))]
