@@ -24,7 +24,7 @@ from shared.model.loader import load_embeddings, load_model
 from shared.settings import REPO_ROOT, default_target_model
 from specdec_train.conversations import held_out_conversations
 from specdec_train.data import DEFAULT_CONVERSATIONS, DataConfig, generate, load_samples
-from specdec_train.features import CachedFeatures, TargetFeatures
+from specdec_train.features import CachedFeatures, FeatureStore, TargetFeatures
 from specdec_train.heldout import HeldOut
 from specdec_train.report import frequency_subset, plot_losses, subset_coverage, write_card
 from specdec_train.train import TrainConfig, Trainer
@@ -48,8 +48,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--feature-cache-gb", type=float, default=4.0,
-        help="keep the target's features of up to this many GB of conversations in memory (fp32; 0 = none): "
+        help="keep the target's features of up to this many GB of conversations in memory (fp16; 0 = none): "
         "data that fits pays the target's prefill in its first epoch only",
+    )  # fmt: skip
+    p.add_argument(
+        "--feature-store-gb", type=float, default=0.0,
+        help="keep the target's features of up to this many GB of conversations on disk, in --work-dir/features "
+        "(fp16; 0 = none): a run trained over several sittings (--resume) prefills each conversation once",
     )  # fmt: skip
     p.add_argument("--draft-vocab-size", type=int, default=8192, help="size of the frequency-ranked subset")
     p.add_argument("--num-layers", type=int, default=1, help="decoder layers in the head")
@@ -145,7 +150,11 @@ def main(argv: list[str] | None = None) -> None:
     )  # fmt: skip
     target_features = TargetFeatures(target_model[0], layers, max_tokens=max(4096, args.tokens_per_step + 2048))
     heldout = HeldOut(_held_out_samples(args, data, target_model), target_features, args.eval_k, args.max_len)
-    features = CachedFeatures(target_features, int(args.feature_cache_gb * 2**30))
+    stored = target_features
+    if args.feature_store_gb > 0:
+        folder = FeatureStore.folder_for(args.work_dir / "features", target, layers)
+        stored = FeatureStore(target_features, folder, int(args.feature_store_gb * 2**30))
+    features = CachedFeatures(stored, int(args.feature_cache_gb * 2**30))
     trainer = Trainer(arch_from_config(config), embedding, lm_head, subset, train_config, layers)
     start_measure = None
     if init_state is not None:

@@ -60,8 +60,10 @@ def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
     assert [p.stat().st_mtime_ns for p in shards] == stamps
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert all(torch.equal(f.get_tensor(n), first[n]) for n in names)
-    main([*args, "--resume", "--steps", "8"])  # a further sitting trains on to 8 steps
+    main([*args, "--resume", "--steps", "8", "--feature-store-gb", "1"])  # a further sitting trains on to 8 steps
     assert torch.load(checkpoint, weights_only=False)["step"] == 8
+    (store,) = (work / "features").iterdir()  # the features its steps prefilled, kept for the next sitting
+    assert store.name == "tiny-target-layers0_2_3-fp16" and list(store.glob("*.pt"))
 
 
 def test_frequency_subset_ranks_generated_ids_by_count_then_id():
@@ -295,28 +297,83 @@ def test_warm_start_of_an_eagle1_head_from_an_eagle1_head_goes_on_from_its_weigh
         trainer.start_from(fused_state, None)
 
 
-def test_cached_features_are_those_recomputed_and_the_cache_is_bounded():
+class CountingFeatures:
+    """TargetFeatures with its prefills counted: a cache or store hit must not prefill."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.rows = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, rows):
+        self.rows += len(rows)
+        return self.inner(rows)
+
+
+def test_features_are_rounded_as_the_wire_sends_them():
+    from specdec_train.features import TargetFeatures
+
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    tokens = torch.randint(0, 96, (11,), generator=torch.Generator().manual_seed(3), dtype=torch.int32)
+    ((final, layers),) = TargetFeatures(model, (1, -1))([tokens])
+    arch = model.arch
+    cache = KVCache(arch.num_layers, 4, 16, arch.num_kv_heads, arch.head_dim)
+    meta = build_metadata([SeqSpan([0], 0, 11)], 16)
+    with torch.inference_mode():
+        ref_final, ref_layers = model.forward_with_layers(tokens.long(), cache.layers, meta, (1, -1))
+    assert torch.equal(final, ref_final.half().float()) and torch.equal(layers, ref_layers.half().float())
+    assert not torch.equal(final, ref_final)  # rounded, not the fp32 values
+
+
+@pytest.mark.parametrize("layers", [(0, -1), (0, 2)])
+def test_cached_features_are_those_recomputed_and_the_cache_is_bounded(layers):
     from specdec_train.features import CachedFeatures, TargetFeatures
 
     model, _ = ours(tiny_hf_model(seed=5, layers=4))
     gen = torch.Generator().manual_seed(1)
     rows = [torch.randint(0, 96, (n,), generator=gen, dtype=torch.int32) for n in (20, 7, 13)]
-    plain = TargetFeatures(model, (0, -1))
-    cached = CachedFeatures(TargetFeatures(model, (0, -1)), max_bytes=cached_bytes(plain, 27))
+    plain = TargetFeatures(model, layers)
+    counted = CountingFeatures(TargetFeatures(model, layers))
+    cached = CachedFeatures(counted, max_bytes=cached_bytes(plain, 27))
     assert not cached.holds_all([20, 7, 13]) and cached.holds_all([20, 7])
     first, again = cached(rows), cached(list(reversed(rows)))
-    assert len(cached.store) == 2  # the third row did not fit
-    for (final, layers), (final2, layers2), reference in zip(first, reversed(again), plain(rows), strict=True):
-        for t in (final, final2):
-            torch.testing.assert_close(t, reference[0], atol=1e-5, rtol=1e-5)
-        for t in (layers, layers2):
-            torch.testing.assert_close(t, reference[1], atol=1e-5, rtol=1e-5)
-    hit = cached.store[rows[0].numpy().tobytes()]
-    assert cached([rows[0]])[0][0] is hit[0]  # served from memory, not recomputed
+    assert len(cached.store) == 2 and counted.rows == 3 + 1  # the third row did not fit: computed again
+    for got in (first, list(reversed(again))):
+        for (final, feats), (ref_final, ref_feats) in zip(got, plain(rows), strict=True):
+            assert torch.equal(final, ref_final) and torch.equal(feats, ref_feats)
+    cached([rows[0]])
+    assert counted.rows == 4  # served from memory, not recomputed
 
 
 def cached_bytes(features, num_tokens: int) -> int:
-    return num_tokens * 3 * features.model.arch.hidden_size * 4  # final + 2 layers, fp32
+    width = len(features.layers) + (0 if -1 in features.layers else 1)  # the final state is stored apart
+    return num_tokens * width * features.model.arch.hidden_size * 2  # fp16
+
+
+@pytest.mark.parametrize("layers", [(-1,), (0, 2)])
+def test_feature_store_serves_later_sittings_from_disk_exactly(tmp_path, layers):
+    from specdec_train.features import FeatureStore, TargetFeatures
+
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    gen = torch.Generator().manual_seed(2)
+    rows = [torch.randint(0, 96, (n,), generator=gen, dtype=torch.int32) for n in (9, 17, 5)]
+    plain = TargetFeatures(model, layers)
+    folder = FeatureStore.folder_for(tmp_path, "/models/some-target/", layers)
+    counted = CountingFeatures(TargetFeatures(model, layers))
+    budget = plain.stored_bytes(9 + 17)
+    first = FeatureStore(counted, folder, budget)(rows)
+    assert counted.rows == 3 and len(list(folder.glob("*.pt"))) == 2  # the third did not fit the budget
+    assert not list(folder.glob("*.tmp"))
+    later = CountingFeatures(TargetFeatures(model, layers))  # another sitting: a new process, the same folder
+    store = FeatureStore(later, folder, budget)
+    assert store.used_bytes == sum(p.stat().st_size for p in folder.glob("*.pt"))  # counted from the folder
+    again = store(rows)
+    assert later.rows == 1 and (store.hits, store.misses) == (2, 1)
+    for got in (first, again):
+        for (final, feats), (ref_final, ref_feats) in zip(got, plain(rows), strict=True):
+            assert torch.equal(final, ref_final) and torch.equal(feats, ref_feats)
+    assert folder.name == f"some-target-layers{'_'.join(map(str, layers))}-fp16"
 
 
 def test_paced_steps_count_the_prefill_once_when_it_is_cached():
