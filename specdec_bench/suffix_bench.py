@@ -49,6 +49,7 @@ from shared.drafting import Draft, DraftRequest
 from shared.malloc_tuning import tune_malloc
 from shared.sampling import SamplingParams
 from shared.settings import default_draft_model, default_target_model
+from specdec_bench.draft_ceiling import Oracle, accepted_runs, interpolate, oracle
 from specdec_bench.engine_bench import Models, chat_ids, hf_generation_config, load_models, time_forward
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS, REWRITE_TASKS, rewrite_prompt
 from specdec_bench.report import load_average, run_meta, write_report
@@ -107,6 +108,7 @@ class Measurement:
     drafter_calls: int = 0
     drafts: int = 0  # non-empty drafts the drafter returned
     trees: int = 0  # of which token trees
+    first_outputs: list[list[int]] | None = None  # the repeat rows: the first request's output
 
     @property
     def tokens_per_s(self) -> float:
@@ -247,11 +249,26 @@ def run_repeat(models: Models, key: str, item: RepeatItem, max_tokens: int) -> M
     row = ROWS["s" if key.startswith("s") else key]
     drafter = make_drafter(row.drafter)
     engine = new_engine(models, row, drafter)
-    run_engine(engine, drafter, [item.first], 1, max_tokens, lambda i: "agent")
+    first = run_engine(engine, drafter, [item.first], 1, max_tokens, lambda i: "agent")
     if key == "s-fresh":
         assert drafter is not None
         drafter.inner = SuffixDrafter()  # no history: what the first request left is gone
-    return run_engine(engine, drafter, [item.repeat], 1, max_tokens, lambda i: "agent")
+    m = run_engine(engine, drafter, [item.repeat], 1, max_tokens, lambda i: "agent")
+    m.first_outputs = first.outputs
+    return m
+
+
+def repeat_ceiling(models: Models, item: RepeatItem, target_only: Measurement) -> Oracle:
+    """The best the repeat allows drafting from the text seen (draft_ceiling.py): the suffix drafter (k <= 16, as
+    the "s" row) replayed over the target's greedy answers, first and repeat, and the target's forward times at
+    the repeat's context (the model's own: no scheduler or sampler around it)."""
+    assert target_only.first_outputs is not None
+    drafter = SuffixDrafter()
+    k = ROWS["s"].k
+    accepted_runs(drafter, "first", item.first, target_only.first_outputs[0], k, "agent")
+    runs = accepted_runs(drafter, "repeat", item.repeat, target_only.outputs[0], k, "agent")
+    times = time_forward(*models.target, [item.repeat], (1, 2, 5, 9, 17), 3)
+    return oracle(runs, interpolate(times))
 
 
 def run_gateway_section(models: Models, plan: Plan, items: list[RepeatItem], log: Callable[[str], None]) -> dict:
@@ -330,6 +347,8 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
         run_row(models, key, prompt_ids["quoting"][:1], 1, 4)
     results: dict[tuple[str, str], list[Measurement]] = {}
     repeat: dict[tuple[str, str], Measurement] = {}
+    item_ratios: dict[str, list[float]] = {}  # repeat item -> suffix / target only, per run
+    ceilings: dict[str, Oracle] = {}
     for run in range(plan.runs):
         for section in plan.sections:
             if section == "gateway":
@@ -342,6 +361,10 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
                         repeat[(item.name, key)] = m
                         results.setdefault((f"repeat-{item.kind}", key), []).append(m)
                         log(f"run {run + 1} repeat {item.name} {key}: {m.tokens_per_s:.1f} tok/s")
+                    ratio = repeat[(item.name, "s")].tokens_per_s / repeat[(item.name, "c")].tokens_per_s
+                    item_ratios.setdefault(item.name, []).append(ratio)
+                    if item.name not in ceilings:
+                        ceilings[item.name] = repeat_ceiling(models, item, repeat[(item.name, "c")])
                 continue
             prompt_set, batch, keys = SECTIONS[section]
             ids = prompt_ids[prompt_set]
@@ -357,7 +380,17 @@ def run_benchmark(models: Models, plan: Plan, log: Callable[[str], None]) -> dic
                 log(f"run {run + 1} {section} {ROWS[key].label}: {m.tokens_per_s:.1f} tok/s")
     if "gateway" in plan.sections:
         results.update(run_gateway_section(models, plan, items, log))
-    return summarise(results, repeat, step, plan)
+    summary = summarise(results, repeat, step, plan)
+    summary["ceilings"] = [
+        {
+            "item": name,
+            "oracle_tokens_per_step": oracle.tokens_per_step,
+            "oracle_vs_c": oracle.speedup,
+            "measured_vs_c": statistics.median(item_ratios[name]),
+        }
+        for name, oracle in ceilings.items()
+    ]
+    return summary
 
 
 def _ratio(results, section: str, key: str, base: str) -> float | None:
@@ -478,9 +511,25 @@ def render(summary: dict, meta: dict, plan: Plan) -> str:
             share = cost / 1e3 / summary["target_step_b8_s"]
             label = f"{section}: drafting time per proposed token < 2% of a target step at batch 8"
             out.append(f"| {label} | {share:.2%} | {'PASS' if share < 0.02 else 'FAIL'} |")
+    if summary.get("ceilings"):
+        out += ["", CEILING_NOTE, "", "| item | oracle tokens / step | oracle × target only | measured × target only |"]
+        out.append("| --- | ---: | ---: | ---: |")
+        for c in summary["ceilings"]:
+            ratios = f"{c['oracle_vs_c']:.2f} | {c['measured_vs_c']:.2f}"
+            out.append(f"| {c['item']} | {c['oracle_tokens_per_step']:.2f} | {ratios} |")
     out += ["", "### Output checks (greedy)", ""] + [f"- {line}" for line in summary["checks"]]
     out += ["", HOW_TO_READ, MARK_END, ""]
     return "\n".join(out)
+
+
+CEILING_NOTE = """\
+### What the repeat workload allows (`specdec_bench.draft_ceiling`)
+
+The suffix drafter (k <= 16) replayed over the target's greedy answers, first and repeat; at every step an oracle
+drafts exactly the tokens the target accepts (the best any draft length policy could do with these drafts),
+timed by the target's own forward times at the repeat's context (no scheduler or sampler). Measured: the suffix
+row over target only for that item (median over the runs it was in). Where the target answers the repeat
+differently from the first request and from its prompt, no drafter of seen text can reach far."""
 
 
 HOW_TO_READ = """\
