@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from proposer_service.paged_drafter import common_prefix
 from shared.drafting import DraftRequest
 
 
@@ -23,12 +24,7 @@ def accepted_runs(drafter, seq_id: str, prompt: list[int], output: list[int], k:
         new = prompt if p == 0 else output[p - 1 : p]
         req = DraftRequest(seq_id, len(prompt) + p, list(new), k, tenant=tenant, draft_position=p)
         (draft,) = drafter.propose([req])
-        run = 0
-        for token, actual in zip(draft.token_ids, output[p:], strict=False):
-            if token != actual:
-                break
-            run += 1
-        runs.append(run)
+        runs.append(common_prefix(draft.token_ids, output[p:]))
     drafter.release([seq_id])
     return runs
 

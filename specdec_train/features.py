@@ -142,11 +142,10 @@ class FeatureStore:
         computed = dict(zip(missing, self.inner([rows[i] for i in missing]), strict=True)) if missing else {}
         self.hits, self.misses = self.hits + len(rows) - len(missing), self.misses + len(missing)
         for i, feats in computed.items():
-            stored = self.inner.packed(feats)
-            size = stored.numel() * stored.element_size()
+            size = self.inner.stored_bytes(len(rows[i]))
             if self.used_bytes + size <= self.max_bytes:
                 tmp = paths[i].with_suffix(f".{os.getpid()}.tmp")
-                torch.save(stored.clone(), tmp)
+                torch.save(self.inner.packed(feats), tmp)  # a new tensor of this row alone (cat, then cast)
                 tmp.replace(paths[i])
                 self.used_bytes += size
         out = []
