@@ -3,7 +3,8 @@ with q new tokens per sequence, batch 1 and 8, both models loaded from the same 
 alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown table (docs/BENCHMARKS.md,
 "Packed weights"). --dtypes adds half-precision models (plain: torch's own bf16 / fp16 products; packed: oneDNN's
 half kernels where the CPU has them, else fp32 copies of the weights, shared/model/parallel.py) to the same
-alternation.
+alternation; on a CPU whose bf16 oneDNN emulates (AVX-512 without BF16), bf16 packed in bf16 too, the layout
+the packing does not choose there.
 
     python -m specdec_bench.packing_bench [--rounds 5] [--reps 5] [--dtypes float32,bfloat16]
 """
@@ -11,12 +12,14 @@ alternation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
 import torch
 
 from shared.malloc_tuning import tune_malloc
+from shared.model import parallel
 from shared.model.config import ModelArch
 from shared.model.loader import ModelSource, build_model, load_hf_config, load_state_dict, load_tokenizer
 from shared.settings import default_target_model
@@ -25,6 +28,22 @@ from specdec_bench.prompts import GENERAL_PROMPTS
 from specdec_bench.report import load_average, run_meta
 
 QUERY_LENS = (1, 2, 3, 5, 7)
+
+
+def emulated_bf16() -> bool:
+    """oneDNN takes bf16 weights on this CPU, but without bf16 instructions (parallel.bf16_instructions): the row
+    the packing then leaves out (fp32 copies instead) is timed beside the others, to show why."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not parallel.bf16_instructions()
+
+
+@contextlib.contextmanager
+def parallel_half_kernels(choice):
+    saved = parallel.half_kernels
+    parallel.half_kernels = choice
+    try:
+        yield
+    finally:
+        parallel.half_kernels = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         short = {"float32": "", "bfloat16": "bf16 ", "float16": "fp16 "}[dtype_name]
         models[f"{short}plain"] = build_model(arch, state, dtype, pack=False)
         models[f"{short}packed"] = build_model(arch, state, dtype)
+        if dtype == torch.bfloat16 and emulated_bf16():
+            with parallel_half_kernels(lambda d: d == torch.bfloat16):
+                models["bf16 packed in bf16 (oneDNN emulated)"] = build_model(arch, state, dtype)
     tokenizer = load_tokenizer(name)
     prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]
     times: dict[tuple[str, int, int], list[float]] = {}

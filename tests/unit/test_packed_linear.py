@@ -54,8 +54,11 @@ HALF = [torch.bfloat16, torch.float16]
 
 @pytest.fixture(params=["fp32 copy", "native"])
 def half_path(request, monkeypatch):
-    """Half-precision weights packed as fp32 copies (CPUs without oneDNN half kernels, e.g. AVX2) or in their own
-    dtype (AVX-512 BF16 / FP16, AMX): the second only runs where this CPU has the kernels."""
+    """Half-precision weights packed as fp32 copies (CPUs without half instructions, e.g. AVX2 or AVX-512 without
+    BF16) or in their own dtype (AVX-512 BF16 / FP16, AMX): the second only runs where this CPU has them. oneDNN's
+    bf16 kernels also run, emulated, on any AVX-512 CPU, but the packing does not take them there: slower than the
+    fp32 copy, and one row's result then depends on how many rows share the product (seen on a Xeon without
+    BF16: row 3 of 40 alone differed from the same row among the 40)."""
     if request.param == "fp32 copy":
         monkeypatch.setattr(parallel, "half_kernels", lambda dtype: False)
     return request.param
@@ -63,7 +66,36 @@ def half_path(request, monkeypatch):
 
 def _half_or_skip(dtype: torch.dtype, path: str) -> None:
     if path == "native" and not half_kernels(dtype):
-        pytest.skip(f"oneDNN has no {dtype} kernels on this CPU")
+        pytest.skip(f"this CPU has no {dtype} instructions for oneDNN's kernels")
+
+
+@pytest.mark.parametrize(
+    ("machine", "avx512_bf16", "amx", "flags", "expected"),
+    [
+        ("x86_64", False, False, {"avx512f", "avx512bw", "avx512vl", "avx512dq"}, False),  # Skylake-SP: emulated
+        ("x86_64", False, False, {"avx2", "fma"}, False),
+        ("x86_64", True, False, {"avx512f", "avx512_bf16"}, True),  # Cooper Lake, Zen 4
+        ("x86_64", False, True, {"amx_tile", "amx_bf16"}, True),  # Sapphire Rapids
+        ("x86_64", False, False, {"avx2", "avx_ne_convert"}, True),  # Sierra Forest, Arrow Lake
+        ("aarch64", False, False, set(), True),  # ARM: oneDNN's own check decides
+    ],
+)
+def test_bf16_counts_as_native_only_with_bf16_instructions(monkeypatch, machine, avx512_bf16, amx, flags, expected):
+    monkeypatch.setattr(parallel.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    monkeypatch.setattr(parallel, "_cpu_flags", lambda: flags)
+    assert parallel.bf16_instructions() is expected
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    assert half_kernels(torch.bfloat16) is expected
+    weight = pack_weight(torch.randn(16, 8).bfloat16())
+    assert weight.is_mkldnn and weight.dtype == (torch.bfloat16 if expected else torch.float32)
+
+
+def test_cpu_flags_are_read_from_this_machine():
+    flags = parallel._cpu_flags()
+    if parallel.Path("/proc/cpuinfo").exists() and parallel.platform.machine() == "x86_64":
+        assert "sse2" in flags  # every x86-64 CPU has it
 
 
 @needs_onednn
