@@ -12,9 +12,9 @@ the packing does not choose there.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import statistics
 import time
+from unittest import mock
 
 import torch
 
@@ -34,16 +34,6 @@ def emulated_bf16() -> bool:
     """oneDNN takes bf16 weights on this CPU, but without bf16 instructions (parallel.bf16_instructions): the row
     the packing then leaves out (fp32 copies instead) is timed beside the others, to show why."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not parallel.bf16_instructions()
-
-
-@contextlib.contextmanager
-def parallel_half_kernels(choice):
-    saved = parallel.half_kernels
-    parallel.half_kernels = choice
-    try:
-        yield
-    finally:
-        parallel.half_kernels = saved
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         models[f"{short}plain"] = build_model(arch, state, dtype, pack=False)
         models[f"{short}packed"] = build_model(arch, state, dtype)
         if dtype == torch.bfloat16 and emulated_bf16():
-            with parallel_half_kernels(lambda d: d == torch.bfloat16):
+            with mock.patch.object(parallel, "half_kernels", lambda d: d == torch.bfloat16):
                 models["bf16 packed in bf16 (oneDNN emulated)"] = build_model(arch, state, dtype)
     tokenizer = load_tokenizer(name)
     prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]

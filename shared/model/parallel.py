@@ -13,6 +13,7 @@ the query heads that use it; `kv_head_replicas` computes the factor and refuses 
 
 from __future__ import annotations
 
+import functools
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -89,9 +90,10 @@ def half_kernels(dtype: torch.dtype) -> bool:
 def bf16_instructions() -> bool:
     """Whether this CPU multiplies bf16 in hardware. oneDNN's own check (`_is_mkldnn_bf16_supported`) also says
     yes on any AVX-512 CPU (Skylake, Cascade Lake, Ice Lake servers), where its bf16 kernels emulate the
-    products with shifts and fp32 multiply-adds: there a bf16 product of 5 rows cost 1.5x, of 8 rows (batch 8)
-    1.4x the packed fp32 copy's (Xeon, AVX-512 without BF16, whole forward, 2 threads). On x86 only AVX-512
-    BF16, AMX or AVX-NE-CONVERT count; elsewhere (ARM's BF16 extension) oneDNN's answer stands."""
+    products with shifts and fp32 multiply-adds: there the forward cost 1.30x the packed fp32 copy's at batch 8
+    (one token a sequence), 1.37x / 2.03x scoring 5 tokens at batch 1 / 8 (Xeon, AVX-512 without BF16, 2 threads,
+    `specdec_bench.packing_bench`), and a row's result depended on how many rows share the product. On x86 only
+    AVX-512 BF16, AMX or AVX-NE-CONVERT count; elsewhere (ARM's BF16 extension) oneDNN's answer stands."""
     if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
         return True
     cpu = torch.cpu
@@ -101,15 +103,16 @@ def bf16_instructions() -> bool:
     return "avx_ne_convert" in _cpu_flags()
 
 
-def _cpu_flags() -> set[str]:
+@functools.cache  # asked once per weight at load; the CPU does not change
+def _cpu_flags() -> frozenset[str]:
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return set()
+        return frozenset()
     for line in text.splitlines():
         if line.startswith("flags"):
-            return set(line.partition(":")[2].split())
-    return set()
+            return frozenset(line.partition(":")[2].split())
+    return frozenset()
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
