@@ -156,6 +156,9 @@ class Engine:
         # Structured output (verifier_service/grammar_masks.py): None until a compiler is set.
         self._masks: GrammarMasks | None = None
         self._early: EarlyAsk | None = None  # the next step's drafts, asked for when this step committed
+        # The last decode step's (batch, depth, start, scoring + propose seconds): its rest is known when the
+        # next step starts (spec_policy.py). None when the step left nothing running (the loop may then idle).
+        self._unfinished_step: tuple[int, int, float, float] | None = None
         self.early_stats = EarlyAskStats()
 
     def enable_structured_output(self, tokenizer) -> None:
@@ -304,11 +307,13 @@ class Engine:
         """One speculative step over every running sequence: schedule, propose, score, verify, commit."""
         batch = self.scheduler.schedule()
         if not batch:
+            self._unfinished_step = None
             return []
         observer = self.observer
         if observer is not None:
             observer.step_started(batch)
         start = time.perf_counter()
+        self._record_rest(start)
         drafts, catch_up = self._propose(batch)
         proposed = time.perf_counter()
         if observer is not None:
@@ -322,7 +327,7 @@ class Engine:
         ]
         emitted = verify(rows, self._masks.finish(masks) if self._masks else {}, self.runner.vocab_size)
         verified = time.perf_counter()
-        self._measure_costs(batch, drafts, proposed - start, verified - proposed, catch_up)  # scoring + verifying
+        self._measure_costs(batch, drafts, start, proposed, verified, catch_up)
         self.stats.steps += 1
         outputs, logprobs_due = self._commit_step(batch, rows, emitted, hidden)
         self._ask_early()
@@ -330,7 +335,17 @@ class Engine:
             out.logprobs = token_logprobs(scored_logits, tokens, num_top)[: len(out.new_token_ids)]
         if observer is not None:
             observer.step_finished(outputs, start, proposed, scored, verified)
+        if not self.scheduler.running:
+            self._unfinished_step = None
         return outputs
+
+    def _record_rest(self, start: float) -> None:
+        """The previous decode step's time beyond scoring and proposing, up to this step's start: what the policy
+        cannot see from inside a step (commit, streaming by the serving loop, the proposer's work beside it)."""
+        if self._unfinished_step is not None:
+            batch, depth, started, timed = self._unfinished_step
+            self.scheduler.policy.record_rest(batch, depth, start - started - timed)
+            self._unfinished_step = None
 
     def _score(
         self, batch: list[ScheduledSeq], drafts: dict[str, Draft]
@@ -403,14 +418,23 @@ class Engine:
         seq.features.add(seq.num_computed, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
 
     def _measure_costs(
-        self, batch: list[ScheduledSeq], drafts: dict[str, Draft], propose_s: float, score_s: float, catch_up: bool
+        self,
+        batch: list[ScheduledSeq],
+        drafts: dict[str, Draft],
+        start: float,
+        proposed: float,
+        verified: float,
+        catch_up: bool,
     ) -> None:
-        """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs)."""
+        """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs): the
+        propose call, scoring + verifying, and (at the next step's start) the rest."""
         if not all(s.samples and s.num_feed == 1 for s in batch):
             return
         policy = self.scheduler.policy
+        propose_s, score_s = proposed - start, verified - proposed
         policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
         asked = [s for s in batch if s.k > 0]
+        self._unfinished_step = (len(batch), max((s.k for s in asked), default=0), start, verified - start)
         if asked and not catch_up:
             policy.record_propose(len(batch), max(s.k for s in asked), any(s.tree_nodes for s in asked), propose_s)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -253,7 +254,7 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
             policy.record_step(batch, query, 1.0 + 0.05 * query)
         for depth in range(1, 5):
             policy.record_propose(batch, depth, False, 0.1 + 0.3 * depth)
-    policy.record_step = policy.record_propose = lambda *args: None
+    policy.record_step = policy.record_propose = policy.record_rest = lambda *args: None
     outs = run(engine, ps, params)
     for i, p in enumerate(ps):
         assert outs[f"r{i}"] == hf_greedy(target_hf, p, 40, eos=False)
@@ -292,6 +293,26 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
     rows = EarlyFeatureDrafter.rows
     assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # asked early after the prefill, with the prompt
     assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
+
+
+def test_a_steps_rest_is_timed_start_to_start_and_never_across_an_idle_wait(target):
+    """What the serving loop does between steps (here a 50 ms sleep) is part of a decode step's cost to the policy:
+    recorded as its rest at the next step's start, at the step's batch size and depth. A step that leaves nothing
+    running records none: the loop may then wait for requests, and a wait is no step's cost."""
+    engine = engine_with(target, NgramDrafter(), k=2)
+    recorded: list[tuple[int, int, float]] = []
+    engine.scheduler.policy.record_rest = lambda batch, depth, seconds: recorded.append((batch, depth, seconds))
+    engine.add_request("a", prompts(1, seed=4)[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        time.sleep(0.05)
+    assert len(recorded) >= 2
+    assert all(batch == 1 and depth in (1, 2) and 0.05 <= seconds < 1.0 for batch, depth, seconds in recorded), recorded
+    before = len(recorded)
+    time.sleep(0.2)  # idle: nothing to run
+    engine.add_request("b", prompts(1, seed=5)[0], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    assert len(recorded) == before
 
 
 def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
