@@ -443,11 +443,16 @@ class Engine:
         also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
         catching up on all of it in the first draft round. A drafter that can be told without waiting
         (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
-        so that a later probe carries no stale catch-up. Returns (drafts, whether the call carried a catch-up:
-        a prompt, or more than one step's tokens: its time is not what a drafting round costs)."""
+        k tokens at a time, so that a later probe carries no stale catch-up (no more than a drafting step may
+        commit). Returns (drafts, whether the call carried a catch-up: a prompt, or more than one step's tokens:
+        its time is not what a drafting round costs)."""
         if self.drafter is None:
             return {}, False
         early, self._early = self._early, None
+        # Followed sequences are sent k tokens at a time: every message costs the proposer CPU (co-located at 8
+        # clients it took ~20% of a core at plain steps, beside a verifier that wants both), and a probe then
+        # still carries at most what one step commits, so it counts as a drafting round.
+        follow_every = max(1, self.config.num_speculative_tokens)
         drafting, following, asked_early = [], [], []
         for s in batch:
             seq = s.seq
@@ -456,7 +461,7 @@ class Engine:
                 asked_early.append(s)
             elif (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
                 drafting.append((s, self._draft_request(s, committed)))
-            elif s.samples and committed > seq.num_sent_to_proposer and hasattr(self.drafter, "notify"):
+            elif s.samples and committed - seq.num_sent_to_proposer >= follow_every and hasattr(self.drafter, "notify"):
                 following.append(self._draft_request(s, committed))
         if following:
             self.drafter.notify(following)  # type: ignore[attr-defined]

@@ -315,6 +315,39 @@ def test_a_steps_rest_is_timed_start_to_start_and_never_across_an_idle_wait(targ
     assert len(recorded) == before
 
 
+def test_sequences_at_k_0_are_followed_k_tokens_at_a_time(target_hf, target):
+    """A drafter told without waiting (`notify`, the remote proposer) follows a sequence that does not draft in
+    messages of k committed tokens, not one per step (a message costs the proposer CPU beside the verifier), and
+    every committed token reaches the drafter, in order, once."""
+
+    class Following(NgramDrafter):
+        def __init__(self) -> None:
+            super().__init__()
+            self.told: list[list[int]] = []
+            self.asked: list[list[int]] = []
+
+        def notify(self, requests):
+            self.told.extend(r.new_token_ids for r in requests)
+            self.propose(requests)
+
+        def propose(self, requests):
+            self.asked.extend(r.new_token_ids for r in requests if r.k > 0)
+            return super().propose(requests)
+
+    k = 4
+    drafter = Following()
+    engine = engine_with(target, drafter, k=k)
+    prompt = prompts(1, seed=6)[0]
+    engine.add_request("plain", prompt, SamplingParams(max_tokens=23, ignore_eos=True), max_draft_tokens=0)
+    outs = run(engine, [], SamplingParams())
+    assert outs["plain"] == hf_greedy(target_hf, prompt, 23, eos=False)
+    # the first message carries the prompt, the others k tokens each; in order, none twice, at most k - 1 left over
+    assert all(len(told) == k for told in drafter.told[1:]) and len(drafter.told) >= 23 // k
+    followed = [t for told in drafter.told for t in told]
+    assert followed == (prompt + outs["plain"])[: len(followed)]
+    assert len(followed) > len(prompt) + 23 - k and not drafter.asked
+
+
 def test_max_draft_tokens_caps_one_requests_k(target_hf, target):
     engine = engine_with(target, "same", k=4)
     ps = prompts(2, seed=31)
