@@ -203,9 +203,8 @@ class SpecPolicy:
         slows someone); how often follows from how much it is expected to lose (the batch's throughput or its
         slowest sequence's rate, whichever loses more), so that probes cost at most PROBE_BUDGET of the time, and a
         drafter that got better, or an estimate that dipped by chance, is noticed soonest where it matters most:
-        near the break-even. `vary` (every probe_interval steps): a
-        drafting plan drafts one token more or less, in turn, so that each cost is measured at more than one size
-        and has a slope."""
+        near the break-even. `vary` (every probe_interval steps): a drafting plan drafts one token more or less, in
+        turn, so that each cost is measured at more than one size and has a slope."""
         batch = len(seqs)
         plain = [Plan(0)] * batch
         plain_rate = self._rate(plain, seqs)
