@@ -156,9 +156,9 @@ class Engine:
         # Structured output (verifier_service/grammar_masks.py): None until a compiler is set.
         self._masks: GrammarMasks | None = None
         self._early: EarlyAsk | None = None  # the next step's drafts, asked for when this step committed
-        # The last decode step's (batch, depth, start, scoring + propose seconds): its rest is known when the
-        # next step starts (spec_policy.py). None when the step left nothing running (the loop may then idle).
-        self._unfinished_step: tuple[int, int, float, float] | None = None
+        # The last decode step's (batch, depth, when it was verified): its rest, from then to the next step's start,
+        # is known when that step starts (spec_policy.py). None when it left nothing running (the loop may idle).
+        self._unfinished_step: tuple[int, int, float] | None = None
         self.early_stats = EarlyAskStats()
 
     def enable_structured_output(self, tokenizer) -> None:
@@ -343,8 +343,8 @@ class Engine:
         """The previous decode step's time beyond scoring and proposing, up to this step's start: what the policy
         cannot see from inside a step (commit, streaming by the serving loop, the proposer's work beside it)."""
         if self._unfinished_step is not None:
-            batch, depth, started, timed = self._unfinished_step
-            self.scheduler.policy.record_rest(batch, depth, start - started - timed)
+            batch, depth, verified = self._unfinished_step
+            self.scheduler.policy.record_rest(batch, depth, start - verified)
             self._unfinished_step = None
 
     def _score(
@@ -434,7 +434,7 @@ class Engine:
         propose_s, score_s = proposed - start, verified - proposed
         policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
         asked = [s for s in batch if s.k > 0]
-        self._unfinished_step = (len(batch), max((s.k for s in asked), default=0), start, verified - start)
+        self._unfinished_step = (len(batch), max((s.k for s in asked), default=0), verified)
         if asked and not catch_up:
             policy.record_propose(len(batch), max(s.k for s in asked), any(s.tree_nodes for s in asked), propose_s)
 

@@ -217,8 +217,8 @@ class SpecPolicy:
             fair = self._lift_slowed(plans, seqs, depth)
             if fair is None:
                 unfair.append(plans)
-            elif self._rate(fair, seqs) > drafting_rate:
-                drafting, drafting_rate = fair, self._rate(fair, seqs)
+            elif (rate := self._rate(fair, seqs)) > drafting_rate:
+                drafting, drafting_rate = fair, rate
         self.probed = False
         if drafting is None and any(k_max for _, k_max in seqs):  # the probe that costs least: probed most often
             drafting = min(unfair, key=lambda plans: self._probe_loss(plans, seqs, plain_rate))
@@ -260,29 +260,32 @@ class SpecPolicy:
     def _gain(self, plan: Plan, acc: AcceptanceEstimate) -> float:
         return acc.expected_tree_gain(plan.k) if plan.tree_nodes else acc.chain_gain(plan.k)
 
-    def _slowest_share(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> float:
-        """The lowest expected rate of any sequence that may draft under `plans`, as a share of its rate decoding
-        plainly (1 + gain over the step's time, against 1 over a plain step's); 1 while a time is unknown. A sequence
-        that may not draft (its own max_draft_tokens of 0, no room left) is not counted: it would veto everyone's."""
+    def _shares(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[float]:
+        """Per sequence, its expected rate under `plans` as a share of its rate decoding plainly (1 + gain over the
+        step's time, against 1 over a plain step's); 1 while a time is unknown, and for a sequence that may not draft
+        (its own max_draft_tokens of 0, no room left): it is not counted, or it would veto everyone's drafts."""
         plain_time, time = self._time([Plan(0)] * len(plans)), self._time(plans)
         if plain_time <= 0 or time <= 0:
-            return 1.0
-        shares = [
-            (1 + self._gain(p, acc)) * plain_time / time for p, (acc, k_max) in zip(plans, seqs, strict=True) if k_max
+            return [1.0] * len(plans)
+        return [
+            (1 + self._gain(p, acc)) * plain_time / time if k_max else 1.0
+            for p, (acc, k_max) in zip(plans, seqs, strict=True)
         ]
-        return min(shares, default=1.0)
+
+    def _slowest_share(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> float:
+        return min(self._shares(plans, seqs), default=1.0)
 
     def _lift_slowed(
         self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], depth: int
     ) -> list[Plan] | None:
         """The plan, with every sequence it slows below FAIR_SHARE drafting a chain as deep as the plan allows (its
         best chance to gain what the step costs it); None when that does not bring every sequence up to it."""
-        if self._slowest_share(plans, seqs) >= FAIR_SHARE:
+        shares = self._shares(plans, seqs)
+        if min(shares, default=1.0) >= FAIR_SHARE:
             return plans
-        plain_time, time = self._time([Plan(0)] * len(plans)), self._time(plans)
         lifted = [
-            Plan(min(depth, k_max)) if k_max and (1 + self._gain(p, acc)) * plain_time / time < FAIR_SHARE else p
-            for p, (acc, k_max) in zip(plans, seqs, strict=True)
+            Plan(min(depth, k_max)) if share < FAIR_SHARE else p
+            for p, (_, k_max), share in zip(plans, seqs, shares, strict=True)
         ]
         return lifted if self._slowest_share(lifted, seqs) >= FAIR_SHARE else None
 

@@ -88,6 +88,13 @@ class Costs:
     def rest(self, batch: int, depth: int) -> float:  # the step beyond scoring and proposing
         return 0.0
 
+    def step(self, plans: list[Plan]) -> float:
+        """A whole step's time, start to start."""
+        batch, depth = len(plans), max(p.k for p in plans)
+        return (
+            self.scoring(batch, batch + sum(p.k for p in plans)) + self.propose(batch, depth) + self.rest(batch, depth)
+        )
+
 
 class BusyProposer(Costs):
     """Co-located on two cores: a drafting step's rest (commit, streaming, the proposer's work beside the
@@ -97,11 +104,14 @@ class BusyProposer(Costs):
         return 0.003 + (0.1 if depth else 0.0)
 
 
+def gain(alpha: float, k: int) -> float:
+    """Expected accepted drafts of a chain of k at acceptance alpha."""
+    return sum(alpha**j for j in range(1, k + 1))
+
+
 def true_rate(plans: list[Plan], alphas: list[float], costs: Costs) -> float:
-    batch = len(plans)
-    tokens = batch + sum(sum(a**j for j in range(1, p.k + 1)) for p, a in zip(plans, alphas, strict=True))
-    query, depth = batch + sum(p.k for p in plans), max(p.k for p in plans)
-    return tokens / (costs.scoring(batch, query) + costs.propose(batch, depth) + costs.rest(batch, depth))
+    tokens = len(plans) + sum(gain(a, p.k) for p, a in zip(plans, alphas, strict=True))
+    return tokens / costs.step(plans)
 
 
 def plain_time(batch: int, costs: Costs) -> float:
@@ -110,11 +120,8 @@ def plain_time(batch: int, costs: Costs) -> float:
 
 def shares(plans: list[Plan], alphas: list[float], costs: Costs) -> list[float]:
     """Each sequence's rate under `plans` as a share of its plain-decoding rate."""
-    batch, depth = len(plans), max(p.k for p in plans)
-    query = batch + sum(p.k for p in plans)
-    seconds = costs.scoring(batch, query) + costs.propose(batch, depth) + costs.rest(batch, depth)
-    gains = [sum(a**j for j in range(1, p.k + 1)) for p, a in zip(plans, alphas, strict=True)]
-    return [(1 + gain) * plain_time(batch, costs) / seconds for gain in gains]
+    seconds = costs.step(plans)
+    return [(1 + gain(a, p.k)) * plain_time(len(plans), costs) / seconds for p, a in zip(plans, alphas, strict=True)]
 
 
 class Run:
@@ -151,12 +158,12 @@ def simulate(
         plans = policy.plan([(e, k_max) for e in estimates], vary=vary)
         batch, depth = len(plans), max(p.k for p in plans)
         query = batch + sum(p.k for p in plans)
-        step_seconds = costs.scoring(batch, query) + costs.propose(batch, depth) + costs.rest(batch, depth)
+        step_seconds = costs.step(plans)
         if step > steps // 2:
             run.tokens += true_rate(plans, alphas, costs) * step_seconds
             run.seconds += step_seconds
             for i, (plan, alpha) in enumerate(zip(plans, alphas, strict=True)):
-                run.seq_tokens[i] += 1 + sum(alpha**j for j in range(1, plan.k + 1))
+                run.seq_tokens[i] += 1 + gain(alpha, plan.k)
             if not vary and not policy.probed:
                 run.worst = min(run.worst, true_rate(plans, alphas, costs))
         noise = rng.uniform(0.95, 1.05)
