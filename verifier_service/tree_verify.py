@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.drafting import Draft, tree_children
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, first_argmax
 from shared.seeded import seeded_tokens
 from verifier_service.rejection_sampler import MIN_RESIDUAL_MASS, inverse_cdf_sample
 
@@ -49,7 +49,7 @@ def verify_tree(
     assert draft.parents is not None
     children = tree_children(draft.parents)
     if params.is_greedy:
-        argmax = target_logits.argmax(dim=-1).tolist()  # one read for the whole tree
+        argmax = first_argmax(target_logits).tolist()  # one read for the whole tree
         return _follow(draft, children, lambda node, depth: argmax[node + 1])
     if params.is_seeded:
         seed = params.seed
