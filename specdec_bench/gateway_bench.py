@@ -485,11 +485,13 @@ async def run_gateway(
     tls: ClientTLS | None = None,
     metadata: Sequence[tuple[str, str]] = (),
     logprobs: int | None = None,
+    max_draft_tokens: int | None = None,
 ) -> Measurement:
     """`clients` concurrent clients work through the prompts (each client one request at a time). Sampled
     requests carry no seed, as most traffic: a seed would switch verification to coupling (docs/engine.md,
     "Seeded sampling"), which engine_bench measures beside rejection sampling. `tls` and `metadata` (an API
-    key) are secure_bench's client. `logprobs`: ask each token's logprobs with that many alternatives."""
+    key) are secure_bench's client. `logprobs`: ask each token's logprobs with that many alternatives.
+    `max_draft_tokens`: each request's own cap on k (0: a speculative stack decodes it plainly)."""
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
     for p in prompts:
         queue.put_nowait(p)
@@ -507,6 +509,8 @@ async def run_gateway(
                 )
                 if logprobs is not None:
                     request.logprobs, request.top_logprobs = True, logprobs
+                if max_draft_tokens is not None:
+                    request.max_draft_tokens = max_draft_tokens
                 trace = Trace(time.perf_counter())
                 async for msg in stub.Generate(request, timeout=RPC_TIMEOUT_S, metadata=tuple(metadata)):
                     now = time.perf_counter()

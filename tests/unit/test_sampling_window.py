@@ -32,13 +32,16 @@ def full_sort_reference(logits: torch.Tensor, params: SamplingParams) -> torch.T
     else:  # no top-k: the whole row's softmax
         probs = torch.softmax(scaled, dim=-1)[order]
     running = (probs.cumsum(0) - probs).cummax(0).values  # mass strictly before each sorted slot
+    # The parameters as the engine holds them (and as the wire carries them): float32. 0.9999999999999999 is
+    # 1.0 there, top-p off, while as a Python float it would still cut a token of mass 2.5e-8.
+    top_p = float(torch.tensor(params.top_p, dtype=torch.float32))
     cutoff = values[0]
     group_mass = running[0]
     for i in range(vocab):
         if i > 0 and values[i] != values[i - 1]:
             group_mass = running[i]  # ties: the mass before the group's first member
         removed = bool(values[i] < kth)
-        removed |= params.top_p < 1 and bool(group_mass >= params.top_p)
+        removed |= top_p < 1 and bool(group_mass >= top_p)
         removed |= bool(probs[i] < params.min_p * probs[0])
         if removed and i > 0:
             break
@@ -77,6 +80,16 @@ def test_windowed_logits_to_probs_equals_the_full_sort_reference(batch):
         want = full_sort_reference(row, row_params)
         assert torch.equal(got > 0, want > 0), (row.tolist(), row_params, window)
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9)
+
+
+def test_a_top_p_that_is_1_in_float32_keeps_every_token():
+    """Found by the property test: top_p = 0.9999999999999999 is 1.0 as the engine holds it (float32, as on
+    the wire), so nothing is cut, not even a token of mass 2.5e-8."""
+    logits = torch.tensor([[-4.0] * 29 + [10.5, -7.0]])
+    params = [SamplingParams(temperature=1.0, top_p=0.9999999999999999)]
+    probs = logits_to_probs(logits, **params_to_tensors(params))
+    assert bool((probs > 0).all())
+    torch.testing.assert_close(probs[0], full_sort_reference(logits[0], params[0]), rtol=1e-6, atol=1e-9)
 
 
 def test_a_nucleus_wider_than_the_window_falls_back_to_the_whole_row():

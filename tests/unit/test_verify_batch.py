@@ -128,3 +128,21 @@ def test_the_verify_benchmark_runs(capsys):
     verify_bench.main(["--reps", "1"])
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert len(lines) == len(verify_bench.CASES)
+
+
+def test_step_phases_reads_the_verifiers_step_histograms():
+    from specdec_bench.step_phases import totals
+
+    scraped = {
+        ("specdec_step_duration_seconds_sum", ()): 6.5,
+        ("specdec_step_duration_seconds_count", ()): 65.0,
+        ("specdec_step_duration_seconds_bucket", (("le", "0.1"),)): 40.0,
+        ("specdec_step_phase_duration_seconds_sum", (("phase", "score"),)): 6.0,
+        ("specdec_step_phase_duration_seconds_count", (("phase", "score"),)): 65.0,
+        ("specdec_step_phase_duration_seconds_sum", (("phase", "propose"),)): 0.1,
+        ("specdec_drafted_tokens_total", ()): 12.0,
+        ("specdec_accepted_tokens_total", ()): 5.0,
+    }
+    assert totals(scraped) == {
+        "step_sum": 6.5, "step_count": 65.0, "score_sum": 6.0, "score_count": 65.0, "propose_sum": 0.1, "drafted": 12.0,
+    }  # fmt: skip
