@@ -193,7 +193,7 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(code, message)
         except Exception as err:  # an engine failure: INTERNAL, the other requests go on
             code, message = grpc_status_for(err)
-            log.error("request failed request_id=%s message=%s", request_id, message)
+            log.error("request failed request_id=%s message=%s", request_id, message, exc_info=err)
             self.telemetry.request_failed(traced, code, message)
             await context.abort(code, message)
         finally:  # cancelled by the client (or ended above): no-op when already ended

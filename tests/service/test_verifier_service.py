@@ -458,6 +458,26 @@ def test_bad_input_is_invalid_argument_and_does_not_disturb_a_running_request():
     run(body())
 
 
+def test_an_internal_failure_is_internal_for_the_client_and_its_traceback_is_in_the_log(caplog):
+    async def body():
+        verifier = await start_verifier()
+
+        async def broken(*args):
+            raise RuntimeError("secret detail /srv/internal")
+
+        verifier.loop._build_grammar = broken
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await collect(verifier_pb2_grpc.VerifierStub(channel), request(PROMPTS[0], 6))
+                assert err.value.code() == grpc.StatusCode.INTERNAL and "secret" not in err.value.details()
+        finally:
+            await verifier.shutdown(0.5)
+
+    run(body())
+    assert "secret detail /srv/internal" in caplog.text and "Traceback" in caplog.text  # where the message says
+
+
 def test_a_queued_request_gets_keepalives_while_the_engine_serves_others():
     """One sequence at a time: the second request waits for the first to finish and, meanwhile, receives empty
     messages (the engine is stepping), so a gateway does not take it for a hung stream; its tokens are unchanged."""
