@@ -214,6 +214,7 @@ class Engine:
             num_logprobs=num_logprobs,
             tenant=tenant,
         )
+        seq.acceptance = self.scheduler.policy.new_estimate(params.is_greedy)
         if params.structured_output is not None:
             seq.grammar = grammar or self.build_grammar(params, prompt_ids, output_offset)
         self.seqs[request_id] = seq
@@ -613,6 +614,7 @@ class Engine:
                 seq.acceptance.update_tree(num_accepted)
             else:
                 seq.acceptance.update(k, num_accepted)
+                self.scheduler.policy.record_acceptance(seq.params.is_greedy, k, num_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

@@ -265,6 +265,19 @@ def test_adaptive_k_keeps_output_and_follows_acceptance(target_hf, target, weak_
         assert drafted_share < 0.35  # a draft the target rarely agrees with is mostly switched off
 
 
+def test_a_new_request_starts_from_the_acceptance_earlier_requests_of_its_kind_achieved(target):
+    engine = engine_with(target, "same", k=3, adaptive_k=True)
+    policy = engine.scheduler.policy
+    assert policy.population == {}
+    run(engine, prompts(2, seed=5), SamplingParams(max_tokens=24, ignore_eos=True))  # the target as draft
+    greedy = policy.population[True]
+    assert greedy.tested >= 20 and greedy.alpha > 0.9 and False not in policy.population
+    engine.add_request("next", prompts(1, seed=6)[0], SamplingParams(max_tokens=4))
+    engine.add_request("sampled", prompts(1, seed=7)[0], SamplingParams(max_tokens=4, temperature=0.8))
+    assert engine.seqs["next"].acceptance.alpha == greedy.alpha and engine.seqs["next"].acceptance.tested == 0
+    assert engine.seqs["sampled"].acceptance.alpha == 0.5  # no sampled request was seen: the agnostic prior
+
+
 def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
     """The request asked early after the prefill carries the whole prompt and its features: a catch-up that
     costs what the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
