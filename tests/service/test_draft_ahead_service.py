@@ -6,6 +6,7 @@ tokens."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 
 import grpc
@@ -64,11 +65,14 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
                 assert 0 < early.used <= early.asked  # the verifier asked for next steps' drafts early
                 # the figures `make run` prints, from the services' Prometheus endpoints
                 verifier_samples = scrape(f"127.0.0.1:{verifier.telemetry.metrics_port}")
-                proposer_samples = scrape(f"127.0.0.1:{telemetry.metrics_port}")
+                # The last round's drafting ahead may still run in the proposer's worker thread: read its metrics
+                # and its stats at one moment, while it waits.
+                with proposer.servicer._drafter_lock:
+                    proposer_samples = scrape(f"127.0.0.1:{telemetry.metrics_port}")
+                    cache = dataclasses.replace(drafter.cache.stats)
         finally:
             await verifier.shutdown(0.5)
             await proposer.shutdown(0.1)
-        cache = drafter.cache.stats
         assert cache.hits > 0, cache
         assert value(proposer_samples, "specdec_proposer_draft_ahead_hits_total") == cache.hits
         assert value(proposer_samples, "specdec_proposer_draft_ahead_misses_total") == cache.misses
