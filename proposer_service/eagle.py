@@ -92,13 +92,9 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         state = self.states[req.seq_id]
         if not self.blocks.has_seq(req.seq_id) or state.num_done < state.features.start:
             return False
-        self.blocks.rollback(req.seq_id, min(state.num_done, self.blocks.num_tokens(req.seq_id)))  # the drafts
-        self.blocks.cache_full_blocks(req.seq_id, _pair_keys(tokens), state.num_exact, state.tenant)
+        self._roll_back_drafts(req.seq_id, _pair_keys(tokens))
         end = min(len(tokens) - 1, state.features.end)
-        if end <= state.num_done or not self.blocks.can_reserve(req.seq_id, end):
-            return False
-        self.kv_cache.copy_blocks(self.blocks.reserve(req.seq_id, end))
-        return True
+        return end > state.num_done and self._reserve(req.seq_id, end, keep=set(self.states))  # evicts no one
 
     def _alias_features(self, seq_id: str) -> tuple[int, torch.Tensor | None]:
         """An alias drafting ahead starts from the real features the sequence has; the outcome's positions have
@@ -138,13 +134,19 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             if match.blocks:
                 state.num_done = state.num_exact = self.blocks.allocate_prefix(req.seq_id, match)
         if self.blocks.has_seq(req.seq_id):
-            self.blocks.rollback(req.seq_id, min(state.num_done, self.blocks.num_tokens(req.seq_id)))
-            self.blocks.cache_full_blocks(req.seq_id, keys, state.num_exact, state.tenant)
+            self._roll_back_drafts(req.seq_id, keys)
         # catch-up to position len(tokens) - 2, then k - 1 draft positions
         if not self._reserve(req.seq_id, len(tokens) - 1 + self.draft_feeds(req), keep=in_request):
             self._drop_cache(req.seq_id)
             return False
         return True
+
+    def _roll_back_drafts(self, seq_id: str, keys: list[int]) -> None:
+        """Shrink the head's blocks to its computed positions (the last round's draft positions go) and offer
+        the full blocks of exact positions to the prefix cache."""
+        state = self.states[seq_id]
+        self.blocks.rollback(seq_id, min(state.num_done, self.blocks.num_tokens(seq_id)))
+        self.blocks.cache_full_blocks(seq_id, keys, state.num_exact, state.tenant)
 
     def _drop_cache(self, seq_id: str) -> None:
         """Free the head blocks, leaving those of exact positions in the prefix cache; features stay."""
