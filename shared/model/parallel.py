@@ -147,11 +147,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype."""
     if weight.is_mkldnn:
         rows = x.reshape(-1, x.shape[-1]).contiguous()
+        lone = rows.shape[0] == 1
+        if lone:
+            # oneDNN multiplies one row with another kernel than several, and for inputs wider than ~1K (the
+            # MLP's down projection, 1536) it sums in another order: a one-token step's logits differed in the
+            # last bits from the same position scored among k + 1 rows. Two rows cost what one does here.
+            rows = rows.expand(2, -1)
         if rows.dtype == weight.dtype:
             out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
         else:
             fp32_bias = None if bias is None else bias.float()
             out = torch.ops.mkldnn._linear_pointwise(rows.float(), weight, fp32_bias, "none", [], "").to(x.dtype)
+        if lone:
+            out = out[:1]
         return out.view(*x.shape[:-1], out.shape[-1])
     if _ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
