@@ -337,11 +337,12 @@ def build_stacks(
     eagle_head: str | None = None,
     names: Sequence[str] = (),
     placement: str = "co-located",
+    compile: bool = False,
 ) -> dict[str, Stack]:
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
     EAGLE head, n-gram; every proposer stack with k = 4 fixed unless its name says otherwise. `split`: the
     verifier alone on core 0, the proposer and the gateway on core 1, one thread each (the deployment the
-    product is built for: each service on its own device)."""
+    product is built for: each service on its own device). `compile`: every verifier with `--compile`."""
     split = placement == "split"
     core_of = {"verifier": VERIFIER_CORE if split else None, "other": PROPOSER_CORE if split else None}
     stacks = {}
@@ -357,6 +358,7 @@ def build_stacks(
         verifier = ["--model", target, "--host", HOST, "--port", str(ports["verifier"])]
         verifier += ["--metrics-port", str(stack.metrics_ports["verifier"])]
         verifier += ["--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS), "--dtype", dtype]
+        verifier += ["--compile"] if compile else []
         if kind is not None:
             stack.metrics_ports["proposer"] = free_port()
             proposer = ["--kind", kind, "--host", HOST, "--port", str(ports["proposer"])]
@@ -1039,6 +1041,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(HALF_TWINS)} among the selected ones again at that dtype, in the same run",
     )
     parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="every verifier (target-only and speculating stacks alike) with --compile: the target's forward as one "
+        "compiled graph",
+    )
+    parser.add_argument(
         "--placement",
         choices=PLACEMENTS,
         default="co-located",
@@ -1082,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stacks = build_stacks(
-        log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names, args.placement
+        log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names, args.placement, args.compile
     )
     log(
         f"starting {sum(len(s.procs) for s in stacks.values())} service processes, a stack at a time; logs in {log_dir}"

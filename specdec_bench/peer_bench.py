@@ -121,6 +121,8 @@ def run_ours(job: dict) -> dict:
     dtype = getattr(torch, job["dtype"])
     start = time.perf_counter()
     target = load_model(job["target"], dtype)
+    if job.get("compile"):
+        target[0].compile()  # the warm-up pass below compiles it, untimed, as vLLM's side compiles its graph
     draft = load_model(job["draft"], dtype) if job.get("draft") else None
     load_s = time.perf_counter() - start
     batches = job["batches"]
@@ -219,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--vllm-venv", default=str(DEFAULT_VENV))
     parser.add_argument("--vllm-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND ('auto' keeps a core free)")
+    parser.add_argument(
+        "--compile", action="store_true", help="our target's forward as one compiled graph (the verifier's --compile)"
+    )
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw results as JSON here")
     parser.add_argument("--logs", default="", help="folder for the processes' logs (default: a temporary one)")
@@ -251,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             base = dict(
                 dtype=dtype, prompts=prompts, batches=list(BATCHES), max_tokens=args.max_tokens, reps=args.reps,
                 max_model_len=MAX_MODEL_LEN, threads=NUM_THREADS,
-                draft=draft if row == "draft" else None, k=K if row == "draft" else 0,
+                draft=draft if row == "draft" else None, k=K if row == "draft" else 0, compile=args.compile,
             )  # fmt: skip
             jobs = {
                 "ours": dict(base, target=target),
@@ -276,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
     meta = run_meta("peer_bench", argv, time.monotonic() - started, True, load_start)
     meta |= {"vllm": version, "target": target, "draft": draft, "vllm_bind": args.vllm_bind, "rounds": args.rounds}
-    meta |= {"max_tokens": args.max_tokens, "reps": args.reps}
+    meta |= {"max_tokens": args.max_tokens, "reps": args.reps, "compile": args.compile}
     section = render(summarise(results, rows, args.max_tokens), meta)
     print(section)
     if args.out:
@@ -359,7 +364,8 @@ def render(table: list[dict], meta: dict) -> str:
         f"{meta['load_start']} / {meta['load_end']} (shared machine)",
         f"- vLLM: `vllm-cpu` {meta['vllm']} (vllm, torch) in its own venv, offline `LLM` API, "
         f"`VLLM_CPU_OMP_THREADS_BIND={meta['vllm_bind']}`, compiled graph (its default), 1 GiB KV cache; ours: "
-        f"the in-process engine, {NUM_THREADS} torch threads, packed weights",
+        f"the in-process engine, {NUM_THREADS} torch threads, packed weights"
+        + (", the forward compiled (`--compile`)" if meta.get("compile") else ", eager forward"),
         f"- Models: target `{meta['target']}` (de-quantised once to fp32 safetensors, the same tensors to both), "
         f"draft `{meta['draft']}`; each cast to the row's dtype",
         f"- Work: the 8 general chat prompts of `specdec_bench.prompts`, greedy, EOS ignored, {meta['max_tokens']} "

@@ -33,6 +33,7 @@ def load_target(
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
     tensor_parallel_size: int = 1,
+    compile: bool = False,
 ) -> PagedModel:
     """The target over a cache sized for `config` (its context clamped to the model's)."""
     return load_paged_model(
@@ -44,6 +45,7 @@ def load_target(
         dtype,
         device,
         tensor_parallel_size,
+        compile=compile,
     )
 
 
@@ -98,7 +100,8 @@ def build_service_engine(
     block_size = resolve_block_size(config.block_size, config.attention_backend, device)
     cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
     started = time.monotonic()
-    paged = load_target(target or name, config.engine_config(config.max_model_len), cache, dtype, device, tp_size)
+    engine_config = config.engine_config(config.max_model_len)
+    paged = load_target(target or name, engine_config, cache, dtype, device, tp_size, compile=config.compile)
     log.info(
         "target model loaded model=%s tensor_parallel_size=%d seconds=%.1f", name, tp_size, time.monotonic() - started
     )
@@ -106,8 +109,8 @@ def build_service_engine(
         engine = engine_on(paged, drafter, config.engine_config(paged.max_model_len))
         if config.warm_up:
             started = time.monotonic()
-            engine.warm_up()
-            log.info("warm-up batch served seconds=%.1f", time.monotonic() - started)
+            engine.warm_up()  # with --compile, the first forward compiles the graph: most of a minute
+            log.info("warm-up batch served seconds=%.1f compiled=%s", time.monotonic() - started, config.compile)
         # After the weights, not beside them: two threads importing transformers' lazy modules at once can fail.
         engine.grammar = load_compiler(
             name, engine.runner.vocab_size, tuple(engine.eos_token_ids), "requests with a format get INVALID_ARGUMENT"

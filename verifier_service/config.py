@@ -138,6 +138,14 @@ class VerifierConfig(TLSConfig):
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
     attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    compile: bool = field(
+        default=False,
+        metadata={
+            "help": "run the target's forward as one graph compiled by torch.compile (CPU, tensor-parallel size "
+            "1): the small ops between the weight products fused (steps 8-16 percent faster on a 2-core Xeon); "
+            "the first forward (the warm-up) compiles for about a minute; logits within ~1e-4 of the eager ones"
+        },
+    )
     grace_period_s: float = field(
         default=20.0,
         metadata={"help": "on SIGTERM, seconds to let running requests finish before they are aborted"},
@@ -192,6 +200,8 @@ class VerifierConfig(TLSConfig):
         super().__post_init__()
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.compile and self.tensor_parallel_size > 1:
+            raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
         if not 0 <= self.port <= 65535 or not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--port and --metrics-port must be in [0, 65535], got {self.port}, {self.metrics_port}")
         if self.num_speculative_tokens < 0 or self.max_tree_nodes < 0:

@@ -50,11 +50,15 @@ def load_paged_model(
     device: str = "cpu",
     tensor_parallel_size: int = 1,
     role: str = "the target",
+    compile: bool = False,
 ) -> PagedModel:
     """`model` (a name or path to load, or a model already loaded) over a cache for `max_num_seqs` sequences of
     `max_model_len` tokens plus `num_speculative_tokens` draft slots (or `cache.num_blocks`). At
     `tensor_parallel_size` > 1 it must be a name or path: every rank loads its own shard, and a model that
-    cannot be split is refused before any process starts."""
+    cannot be split is refused before any process starts. `compile`: the forward as one compiled graph
+    (shared/model/compiled.py), at tensor-parallel size 1 on CPU."""
+    if compile and tensor_parallel_size > 1:
+        raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
     if tensor_parallel_size > 1:
         if not isinstance(model, str):
             raise ValueError(
@@ -73,6 +77,8 @@ def load_paged_model(
         runner = make_tp_runner(model, arch, num_blocks, cache, tensor_parallel_size, dtype, device)
     else:
         runner = make_runner(loaded, arch, num_blocks, cache)
+    if compile:
+        loaded.compile()  # the model itself: an already loaded model passed here runs compiled wherever it is used
     return PagedModel(
         runner, BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching), arch, max_model_len
     )

@@ -7,6 +7,8 @@ none, so one instance serves every batch shape, and tensor parallelism only chan
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 
@@ -22,6 +24,9 @@ from shared.model.parallel import (
     pack_weight,
 )
 from shared.model.rope import RotaryEmbedding, apply_rotary
+
+if TYPE_CHECKING:
+    from shared.model.compiled import CompiledForward
 
 
 class Embedding(torch.nn.Module):
@@ -120,6 +125,13 @@ class LlamaModel(torch.nn.Module):
         self.lm_head = None if arch.tie_word_embeddings else Embedding(arch.vocab_size, arch.hidden_size)
         self.backend = TorchPagedAttention()
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights
+        self.compiled: CompiledForward | None = None  # set by compile
+
+    def compile(self) -> None:
+        """After loading and packing: the forward as one compiled graph (shared/model/compiled.py, `--compile`)."""
+        from shared.model.compiled import CompiledForward
+
+        self.compiled = CompiledForward(self)
 
     def pack_weights(self) -> None:
         """After loading: every linear weight in oneDNN's layout (parallel.pack_weight). The LM head is packed
@@ -147,6 +159,8 @@ class LlamaModel(torch.nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # [T, hidden], [T, len(layers) * hidden] or None
         """The final normed hidden states and, concatenated in `layers`' order, those of the given layers: the
         features an EAGLE-3-style head reads (a low, a middle and a high layer), from the same pass."""
+        if self.compiled is not None:
+            return self.compiled(input_ids, kv_caches, meta, layers)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(meta.positions, x.dtype)
         captured: dict[int, torch.Tensor] = {}

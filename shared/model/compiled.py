@@ -1,0 +1,176 @@
+"""The target's forward as one compiled graph (`--compile`): torch.compile (Inductor's C++ backend) fuses the
+small ops between the weight products into a few loops a layer.
+
+Why: on CPU a one-token decoding step of the default target spends ~30 ms of ~75 ms outside its 121 weight
+products, in the ~1,300 eager ops of 30 layers (RMSNorm as six ops, the rotary embedding, residual adds, SiLU x
+up) and Python around them. vLLM's CPU build compiles its layers by default and its steps take ~69 ms on the
+same weights (docs/BENCHMARKS.md, peer section). Compiled pieces between eager products did not pay (each
+compiled call's guards cost more than the ops it saved); the whole forward as one graph does.
+
+What stays eager, as opaque custom ops in the graph: the weight products (oneDNN's packed weights are opaque
+tensors that the compiler cannot trace, so a product is called with its index in a registry) and the paged
+attention with its K/V writes (block tables, token trees and split calls are per-step Python structures; the
+op reads them from the step's context). Everything else compiles.
+
+Exactness: the fused RMSNorm, rotary and SiLU round differently from the eager ops (logits within ~1e-4 of the
+eager forward's), so a compiled stack is compared with plain decoding by the same compiled forward. As in the
+eager forward, a position's logits do not depend on what else the step scores: a one-token step, the same
+position among k + 1 scored rows, beside other sequences, all bit for bit equal (tests/unit/test_compiled_forward.py).
+The token dimension is marked unbacked so that one graph serves every step size: a one-token step would otherwise
+get a graph of its own (the first call compiles: 60 s cold for the default target on two cores, about 20 s from
+Inductor's on-disk cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from shared.model.attention import AttentionMetadata, paged_attention, write_kv
+from shared.model.parallel import linear
+from shared.model.rope import apply_rotary
+
+if TYPE_CHECKING:
+    from shared.model.llama import DecoderLayer, LlamaModel
+
+log = logging.getLogger("specdec.compiled")
+
+
+@dataclass(frozen=True)
+class _Product:
+    weight: torch.Tensor  # plain or packed (parallel.pack_weight)
+    bias: torch.Tensor | None
+    out_features: int
+
+
+@dataclass
+class _StepContext:
+    model: LlamaModel
+    scale: float  # the attention's softmax scale, every layer's
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    meta: AttentionMetadata | None = None
+
+
+_PRODUCTS: list[_Product] = []  # every compiled model's weights, by index: the graph holds the index only
+_CONTEXTS: dict[int, _StepContext] = {}  # per compiled model: the step being run (caches, metadata)
+_model_ids = itertools.count()
+
+
+@torch.library.custom_op("specdec::product", mutates_args=())
+def _product(x: torch.Tensor, index: int) -> torch.Tensor:
+    entry = _PRODUCTS[index]
+    return linear(x, entry.weight, entry.bias)
+
+
+@_product.register_fake
+def _(x: torch.Tensor, index: int) -> torch.Tensor:
+    return x.new_empty(x.shape[0], _PRODUCTS[index].out_features)
+
+
+# K/V are written into the caches, which the graph never reads: nothing it computes depends on that mutation.
+@torch.library.custom_op("specdec::paged_attention", mutates_args=())
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_id: int, layer: int) -> torch.Tensor:
+    context = _CONTEXTS[model_id]
+    assert context.kv_caches is not None and context.meta is not None
+    k_cache, v_cache = context.kv_caches[layer]
+    write_kv(k_cache, v_cache, k, v, context.meta)
+    return paged_attention(context.model.backend, q, k_cache, v_cache, context.meta, context.scale).contiguous()
+
+
+@_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_id: int, layer: int) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+class CompiledForward:
+    """`LlamaModel.forward_with_layers` as one compiled graph, for a model at tensor-parallel degree 1 on CPU."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        if model.tp.world_size > 1:
+            raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
+        if model.embed_tokens.weight.device.type != "cpu":
+            raise ValueError("--compile runs on CPU only (Inductor's C++ backend); on CUDA leave it off")
+        self.model = model
+        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        self.model_id = next(_model_ids)
+        _CONTEXTS[self.model_id] = _StepContext(model, self.layers[0].self_attn.scale)
+        self.products = [
+            [
+                self._register(layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias),
+                self._register(layer.self_attn.o_proj.weight),  # its bias is added after the product, as eager
+                self._register(layer.mlp.gate_up_proj.weight, layer.mlp.gate_up_proj.bias),
+                self._register(layer.mlp.down_proj.weight),
+            ]
+            for layer in self.layers
+        ]
+        self.graphs: dict[tuple[int, ...], Callable] = {}  # per set of captured layers: constants in the graph
+
+    @staticmethod
+    def _register(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
+        _PRODUCTS.append(_Product(weight, bias, weight.shape[0]))
+        return len(_PRODUCTS) - 1
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        layers: tuple[int, ...],
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        context = _CONTEXTS[self.model_id]
+        context.kv_caches, context.meta = kv_caches, meta
+        positions = meta.positions
+        # One graph for every step size: without this, a one-token step would get a graph of its own.
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        graph = self.graphs.get(layers)
+        if graph is None:
+            graph = self.graphs[layers] = torch.compile(self._body_for(layers), dynamic=True, fullgraph=True)
+        try:
+            return graph(input_ids, positions)
+        finally:
+            context.kv_caches = context.meta = None
+
+    def _body_for(self, layers: tuple[int, ...]) -> Callable:
+        """The forward capturing `layers`, closed over them: the compiler keeps a closure's ints as constants
+        (passed as arguments, they would become symbolic sizes)."""
+
+        def body(input_ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return self._body(input_ids, positions, layers)
+
+        return body
+
+    def _body(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        model = self.model
+        x = F.embedding(input_ids, model.embed_tokens.weight)  # [T, hidden]
+        cos, sin = model.rotary(positions, x.dtype)
+        outputs: list[torch.Tensor] = []  # each decoder layer's output
+        for i, layer in enumerate(self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+            qkv, out_proj, gate_up, down = self.products[i]
+            qk, v = _product(layer.input_layernorm(x), qkv).split(
+                [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1
+            )
+            qk = apply_rotary(qk.view(-1, heads + kv_heads, head_dim), cos, sin)  # [T, heads + kv_heads, D]
+            q, k = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
+            out = _attention(q, k, v.reshape(-1, kv_heads, head_dim).contiguous(), self.model_id, i)  # [T, H, D]
+            x = x + _row_bias(_product(out.reshape(out.shape[0], -1), out_proj), attention.o_proj.bias)
+            gate, up = _product(layer.post_attention_layernorm(x), gate_up).split([mlp.inter, mlp.inter], dim=-1)
+            x = x + _row_bias(_product(F.silu(gate) * up, down), mlp.down_proj.bias)
+            outputs.append(x)
+        final = model.norm(x)
+        captured = [final if i == -1 else outputs[i] for i in layers]
+        return final, torch.cat(captured, dim=-1) if captured else None
+
+
+def _row_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return out if bias is None else out + bias
