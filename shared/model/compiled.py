@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -88,6 +90,11 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_id: int, layer: i
     return torch.empty_like(q)
 
 
+def has_cpp_compiler() -> bool:
+    """Inductor's CPU backend builds its kernels with the system's C++ compiler (`$CXX`, else g++ or clang++)."""
+    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+
+
 class CompiledForward:
     """`LlamaModel.forward_with_layers` as one compiled graph, for a model at tensor-parallel degree 1 on CPU."""
 
@@ -96,6 +103,10 @@ class CompiledForward:
             raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
         if model.embed_tokens.weight.device.type != "cpu":
             raise ValueError("--compile runs on CPU only (Inductor's C++ backend); on CUDA leave it off")
+        if not has_cpp_compiler():
+            raise ValueError(
+                "--compile needs a C++ compiler for Inductor's CPU kernels (g++ or clang++ on PATH, or $CXX)"
+            )
         self.model = model
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
         self.model_id = next(_model_ids)
