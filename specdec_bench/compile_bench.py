@@ -11,6 +11,7 @@ pair of neighbouring blocks, medians over pairs.
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 
@@ -82,24 +83,20 @@ def engine_row(paged, toggle, prompts: list[list[int]], batch: int, pairs: int, 
     engine = engine_on(paged, None, EngineConfig(num_speculative_tokens=0, max_num_seqs=8, max_model_len=1024))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     outputs: dict[bool, list[list[int]]] = {}
-    state = {"compiled": False}
-
-    def toggle_and_note(compiled: bool) -> None:
-        state["compiled"] = compiled
-        toggle(compiled)
+    runs = itertools.count()
 
     def run() -> None:
-        out: dict[int, list[int]] = {}
+        out: dict[str, list[int]] = {}
+        names = [f"p{i}-run{next(runs)}" for i in range(len(prompts))]  # request ids are unique per engine
         for start in range(0, len(prompts), batch):
-            for i, ids in enumerate(prompts[start : start + batch], start):
-                engine.add_request(f"p{i}-{time.monotonic_ns()}", ids, params)
+            for name, ids in zip(names[start : start + batch], prompts[start : start + batch], strict=True):
+                engine.add_request(name, ids, params)
             while engine.has_unfinished():
                 for step_out in engine.step():
-                    index = int(step_out.request_id[1 : step_out.request_id.index("-")])
-                    out.setdefault(index, []).extend(step_out.new_token_ids)
-        outputs[state["compiled"]] = [out[i] for i in range(len(prompts))]
+                    out.setdefault(step_out.request_id, []).extend(step_out.new_token_ids)
+        outputs[paged.runner.model.compiled is not None] = [out[name] for name in names]
 
-    eager, compiled = alternate(run, pairs, toggle_and_note)
+    eager, compiled = alternate(run, pairs, toggle)
     tokens = len(prompts) * max_tokens
     same = sum(a == b for a, b in zip(outputs[False], outputs[True], strict=True))
     name = f"engine, target only, batch {batch} ({same}/{len(prompts)} outputs equal)"
