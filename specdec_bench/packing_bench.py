@@ -4,7 +4,8 @@ alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown ta
 "Packed weights"). --dtypes adds half-precision models (plain: torch's own bf16 / fp16 products; packed: oneDNN's
 half kernels where the CPU has them, else fp32 copies of the weights, shared/model/parallel.py) to the same
 alternation; on a CPU whose bf16 oneDNN emulates (AVX-512 without BF16), bf16 packed in bf16 too, the layout
-the packing does not choose there.
+the packing does not choose there; on one with bf16 instructions, the bf16-packed weights in one product call of
+any size beside the blocks of 16 rows that `linear` runs (parallel.HALF_BLOCK_ROWS).
 
     python -m specdec_bench.packing_bench [--rounds 5] [--reps 5] [--dtypes float32,bfloat16]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import nullcontext
 from unittest import mock
 
 import torch
@@ -34,6 +36,15 @@ def emulated_bf16() -> bool:
     """oneDNN takes bf16 weights on this CPU, but without bf16 instructions (parallel.bf16_instructions): the row
     the packing then leaves out (fp32 copies instead) is timed beside the others, to show why."""
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not parallel.bf16_instructions()
+
+
+# With bf16 instructions `linear` runs bf16 products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS); this
+# row times the same weights in one call of any size, the layout that change left, to show what the blocks cost.
+ONE_CALL = "bf16 packed, one call of any size (not taken)"
+
+
+def _one_call(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,14 +70,17 @@ def main(argv: list[str] | None = None) -> int:
         if dtype == torch.bfloat16 and emulated_bf16():
             with mock.patch.object(parallel, "half_kernels", lambda d: d == torch.bfloat16):
                 models["bf16 packed in bf16 (oneDNN emulated)"] = build_model(arch, state, dtype)
+        if dtype == torch.bfloat16 and parallel.half_kernels(dtype):
+            models[ONE_CALL] = models["bf16 packed"]
     tokenizer = load_tokenizer(name)
     prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]
     times: dict[tuple[str, int, int], list[float]] = {}
     for _ in range(args.rounds):
         for batch in (1, 8):
             for label, model in models.items():
-                for q, seconds in time_forward(model, arch, prompts[:batch], QUERY_LENS, args.reps).items():
-                    times.setdefault((label, batch, q), []).append(seconds)
+                with mock.patch.object(parallel, "_bf16_in_blocks", _one_call) if label == ONE_CALL else nullcontext():
+                    for q, seconds in time_forward(model, arch, prompts[:batch], QUERY_LENS, args.reps).items():
+                        times.setdefault((label, batch, q), []).append(seconds)
     ms = {key: statistics.median(v) * 1000 for key, v in times.items()}
     meta = run_meta("packing_bench", argv, time.monotonic() - started, True, load_start)
     print(f"- Date: {meta['date']}; command: `{meta['command']}`; wall time {meta['runtime_s'] / 60:.1f} min")

@@ -31,10 +31,10 @@ COMBOS = (
     + [("suffix", k) for k in SUFFIX_KS]
 )
 TREE_COMBOS = [("eagle-tree", 4), ("draft-tree", 3), ("ngram-tree", 4), ("suffix-tree", 5)]
-# The mixed batch of 8: in CI the model drafters, a chain and a tree (the draft model's other k, n-gram, suffix and
-# the other trees at batch 1 below, cheaper; suffix at batch 8 through gRPC in tests/service/test_suffix_service.py);
-# every combination under `make test-full`.
-BATCH8_COMBOS = [*COMBOS, *TREE_COMBOS] if FULL_MATRIX else [("draft", 1), ("eagle", 3), TREE_COMBOS[0]]
+# The mixed batch of 8: in CI the EAGLE head, a chain and a tree (the draft model at batch 8 in the top-p / top-k,
+# adaptive and preemption tests below, its every k, n-gram, suffix and the other trees at batch 1, cheaper; suffix
+# at batch 8 through gRPC in tests/service/test_suffix_service.py); every combination under `make test-full`.
+BATCH8_COMBOS = [*COMBOS, *TREE_COMBOS] if FULL_MATRIX else [("eagle", 3), TREE_COMBOS[0]]
 # Preemption by recompute: in CI a chain of each model drafter and a tree; the proposal-only drafters too in full.
 PREEMPTION_COMBOS = [("draft", 3), ("eagle", 3), ("eagle-tree", 4)] + (
     [("ngram", 5), ("suffix", 5)] if FULL_MATRIX else []

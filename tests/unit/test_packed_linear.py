@@ -125,14 +125,51 @@ def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", HALF)
-def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, half_path):
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536)])
+def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, shape, half_path):
+    """On a Xeon with AMX, oneDNN's bf16 product of one call gave row 0 of the up projection another last bit at
+    3-32 rows than at 1, 2 or 40, and the down projection's (1536 wide) rows at almost any count; `linear` runs
+    such products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS)."""
     _half_or_skip(dtype, half_path)
     gen = torch.Generator().manual_seed(1)
-    packed = pack_weight(torch.randn(3072, 576, generator=gen).to(dtype))
-    x = torch.randn(40, 576, generator=gen).to(dtype)
+    packed = pack_weight(torch.randn(*shape, generator=gen).to(dtype))
+    x = torch.randn(70, shape[1], generator=gen).to(dtype)
     together = linear(x, packed)
-    for start, stop in ((0, 1), (0, 5), (3, 4), (7, 16), (11, 40)):
+    for start, stop in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 16), (11, 40), (0, 33), (5, 70)):
         assert torch.equal(linear(x[start:stop], packed), together[start:stop]), (start, stop)
+
+
+def test_a_bf16_position_gets_the_same_logits_in_a_one_token_step_and_among_scored_rows(half_path):
+    """The whole forward in bf16, at the default target's widths (576 hidden, 1536 MLP): the logits a one-token
+    step gives are, bit for bit, those of the same position among k + 1 scored rows and beside another
+    sequence's rows, what keeps speculative and plain decoding on one path at bf16's many near-ties."""
+    from transformers import LlamaForCausalLM
+
+    from shared.model.build import CacheConfig, make_runner
+    from shared.model.runner import ForwardItem
+    from tests.tiny import tiny_config
+
+    _half_or_skip(torch.bfloat16, half_path)
+    torch.manual_seed(5)
+    config = tiny_config(vocab_size=256)
+    config.hidden_size, config.intermediate_size = 576, 1536
+    config.num_attention_heads, config.num_key_value_heads = 9, 3
+    hf = LlamaForCausalLM(config).eval()
+    arch = ModelArch.from_hf_config(config)
+    model = build_model(arch, hf.state_dict(), torch.bfloat16)
+    runner = make_runner(model, arch, num_blocks=64, cache=CacheConfig(block_size=4, attention_backend="torch"))
+    table, other = list(range(0, 16)), list(range(16, 32))
+    prompt, drafts = [12, 50, 7, 19, 88, 23, 30, 6, 1, 44, 15], [7, 8, 9, 10, 11]
+    runner.forward([ForwardItem(table, 0, prompt, 1)])
+    runner.forward([ForwardItem(other, 0, [9, 9, 40, 71, 3], 1)])
+    one_token_steps = [
+        runner.forward([ForwardItem(table, len(prompt) + j, [token], 1)])[0][0] for j, token in enumerate(drafts)
+    ]
+    scored = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts))])[0]
+    beside = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts)), ForwardItem(other, 5, [1] * 30, 30)])
+    for j, logits in enumerate(one_token_steps):
+        assert torch.equal(logits, scored[j]), j
+    assert torch.equal(scored, beside[0])
 
 
 @needs_onednn
