@@ -186,11 +186,13 @@ def _bf16_in_blocks(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         if num_rows < HALF_BLOCK_ROWS:
             rows = F.pad(rows, (0, 0, 0, HALF_BLOCK_ROWS - num_rows))
         return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:num_rows]
-    rows = F.pad(rows, (0, 0, 0, -num_rows % HALF_BLOCK_ROWS))
-    blocks = [
-        torch.ops.mkldnn._linear_pointwise(block, weight, bias, "none", [], "") for block in rows.split(HALF_BLOCK_ROWS)
-    ]
-    return torch.cat(blocks)[:num_rows]
+    # Whole blocks are views of the input; only the last, partial one is copied and padded.
+    whole = num_rows - num_rows % HALF_BLOCK_ROWS
+    blocks = list(rows[:whole].split(HALF_BLOCK_ROWS))
+    if whole < num_rows:
+        blocks.append(F.pad(rows[whole:], (0, 0, 0, HALF_BLOCK_ROWS - (num_rows - whole))))
+    out = torch.cat([torch.ops.mkldnn._linear_pointwise(block, weight, bias, "none", [], "") for block in blocks])
+    return out[:num_rows]
 
 
 def pack_linears(module: torch.nn.Module) -> None:
