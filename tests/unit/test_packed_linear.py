@@ -10,13 +10,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaForCausalLM
 
 from shared.model import parallel
+from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
 from shared.model.loader import build_model
 from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, half_kernels, linear, pack_weight
-from tests.tiny import ours, tiny_hf_model
+from shared.model.runner import ForwardItem
+from tests.tiny import ours, tiny_config, tiny_hf_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -127,8 +130,8 @@ def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
 @pytest.mark.parametrize("dtype", HALF)
 @pytest.mark.parametrize("shape", [(3072, 576), (576, 1536)])
 def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, shape, half_path):
-    """On a Xeon with AMX, oneDNN's bf16 product of one call gave row 0 of the up projection another last bit at
-    3-32 rows than at 1, 2 or 40, and the down projection's (1536 wide) rows at almost any count; `linear` runs
+    """On a Xeon with AMX, oneDNN's bf16 product in one call gave a row of the up projection another last bit at
+    3-32 rows than at 1, 2 or 40, and rows of the down projection (1536 wide) at almost any count; `linear` runs
     such products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS)."""
     _half_or_skip(dtype, half_path)
     gen = torch.Generator().manual_seed(1)
@@ -143,12 +146,6 @@ def test_a_bf16_position_gets_the_same_logits_in_a_one_token_step_and_among_scor
     """The whole forward in bf16, at the default target's widths (576 hidden, 1536 MLP): the logits a one-token
     step gives are, bit for bit, those of the same position among k + 1 scored rows and beside another
     sequence's rows, what keeps speculative and plain decoding on one path at bf16's many near-ties."""
-    from transformers import LlamaForCausalLM
-
-    from shared.model.build import CacheConfig, make_runner
-    from shared.model.runner import ForwardItem
-    from tests.tiny import tiny_config
-
     _half_or_skip(torch.bfloat16, half_path)
     torch.manual_seed(5)
     config = tiny_config(vocab_size=256)
