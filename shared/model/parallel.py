@@ -167,16 +167,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             # last bits from the same position scored among k + 1 rows. Two rows cost what one does here.
             rows = rows.expand(2, -1)
         if rows.dtype == weight.dtype:
-            out = torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
+            out = onednn_product(rows, weight, bias)
         else:
             fp32_bias = None if bias is None else bias.float()
-            out = torch.ops.mkldnn._linear_pointwise(rows.float(), weight, fp32_bias, "none", [], "").to(x.dtype)
+            out = onednn_product(rows.float(), weight, fp32_bias).to(x.dtype)
         if lone:
             out = out[:1]
         return out.view(*x.shape[:-1], out.shape[-1])
     if _ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32:
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return onednn_product(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def onednn_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """rows [n, in] @ weight.T (+ bias) -> [n, out] in one oneDNN call, no fused activation; weight plain or packed."""
+    return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")
 
 
 def _bf16_in_blocks(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -185,13 +190,13 @@ def _bf16_in_blocks(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if num_rows <= HALF_BLOCK_ROWS:
         if num_rows < HALF_BLOCK_ROWS:
             rows = F.pad(rows, (0, 0, 0, HALF_BLOCK_ROWS - num_rows))
-        return torch.ops.mkldnn._linear_pointwise(rows, weight, bias, "none", [], "")[:num_rows]
+        return onednn_product(rows, weight, bias)[:num_rows]
     # Whole blocks are views of the input; only the last, partial one is copied and padded.
     whole = num_rows - num_rows % HALF_BLOCK_ROWS
     blocks = list(rows[:whole].split(HALF_BLOCK_ROWS))
     if whole < num_rows:
         blocks.append(F.pad(rows[whole:], (0, 0, 0, HALF_BLOCK_ROWS - (num_rows - whole))))
-    out = torch.cat([torch.ops.mkldnn._linear_pointwise(block, weight, bias, "none", [], "") for block in blocks])
+    out = torch.cat([onednn_product(block, weight, bias) for block in blocks])
     return out[:num_rows]
 
 
