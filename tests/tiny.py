@@ -8,6 +8,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from shared.model.config import ModelArch
 from shared.model.loader import build_model
+from shared.model.runner import ForwardItem, ModelRunner
 
 
 def tiny_config(vocab_size: int = 96, layers: int = 2, seed_offset: int = 0) -> LlamaConfig:
@@ -64,3 +65,26 @@ def tiny_target(target_hf: LlamaForCausalLM):
 @pytest.fixture(scope="module", name="weak_draft")
 def tiny_weak_draft():
     return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))
+
+
+def assert_one_token_steps_equal_scored_rows(runner: ModelRunner, beside: list[int]) -> None:
+    """What speculative decoding's exactness leans on: the k + 1 rows of a scoring step give bit for bit the logits
+    the one-token steps of plain decoding give, and the same again beside another sequence's `beside` tokens. The
+    runner's blocks hold 4 tokens and it has at least 32 of them."""
+    table, other = list(range(0, 16)), list(range(16, 32))
+    prompt, other_prompt, drafts = [12, 50, 7, 19, 88, 23, 30, 6, 1, 44, 15], [9, 9, 40, 71, 3], [7, 8, 9, 10, 11]
+    runner.forward([ForwardItem(table, 0, prompt, 1)])
+    runner.forward([ForwardItem(other, 0, other_prompt, 1)])
+    one_token_steps = [
+        runner.forward([ForwardItem(table, len(prompt) + j, [token], 1)])[0][0] for j, token in enumerate(drafts)
+    ]
+    scored = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts))])[0]
+    together = runner.forward(
+        [
+            ForwardItem(table, len(prompt), drafts, len(drafts)),
+            ForwardItem(other, len(other_prompt), beside, len(beside)),
+        ]
+    )[0]
+    for j, logits in enumerate(one_token_steps):
+        assert torch.equal(logits, scored[j]), j
+    assert torch.equal(scored, together)

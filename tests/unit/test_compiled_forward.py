@@ -19,7 +19,7 @@ from shared.model.compiled import has_cpp_compiler
 from shared.model.runner import ForwardItem, ModelRunner
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
-from tests.tiny import hf_greedy, ours, tiny_config, tiny_hf_model
+from tests.tiny import assert_one_token_steps_equal_scored_rows, hf_greedy, ours, tiny_config, tiny_hf_model
 from verifier_service.config import VerifierConfig
 from verifier_service.engine import EngineConfig
 
@@ -130,26 +130,10 @@ def test_a_row_scored_beside_others_gets_what_it_gets_alone(pair):
 
 @pytest.mark.parametrize("which", ["eager", pytest.param("compiled", marks=needs_compiler)])
 def test_a_position_gets_the_same_logits_in_a_one_token_step_and_among_scored_rows(wide_pair, which):
-    """What speculative decoding's exactness leans on: the k + 1 rows of a scoring step give bit for bit the logits
-    the one-token steps of plain decoding give, whatever else the step scores."""
     model, arch = wide_pair[0] if which == "eager" else wide_pair[1]
     if which == "compiled" and model.compiled is None:
         model.compile()
-    runner = runner_of((model, arch))
-    table, other = list(range(0, 8)), list(range(8, 16))
-    prompt, drafts = PROMPTS[2], [7, 8, 9, 10]
-    runner.forward([ForwardItem(table, 0, prompt, 1)])
-    runner.forward([ForwardItem(other, 0, PROMPTS[1], 1)])
-    one_token_steps = [
-        runner.forward([ForwardItem(table, len(prompt) + j, [token], 1)])[0][0] for j, token in enumerate(drafts)
-    ]
-    scored = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts))])[0]
-    beside = runner.forward(
-        [ForwardItem(table, len(prompt), drafts, len(drafts)), ForwardItem(other, len(PROMPTS[1]), [1, 2], 2)]
-    )[0]
-    for j, logits in enumerate(one_token_steps):
-        assert torch.equal(logits, scored[j]), j
-    assert torch.equal(scored, beside)
+    assert_one_token_steps_equal_scored_rows(runner_of((model, arch)), beside=[1, 2])
 
 
 @needs_compiler

@@ -18,8 +18,7 @@ from shared.model.config import ModelArch
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
 from shared.model.loader import build_model
 from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, half_kernels, linear, pack_weight
-from shared.model.runner import ForwardItem
-from tests.tiny import ours, tiny_config, tiny_hf_model
+from tests.tiny import assert_one_token_steps_equal_scored_rows, ours, tiny_config, tiny_hf_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -155,18 +154,7 @@ def test_a_bf16_position_gets_the_same_logits_in_a_one_token_step_and_among_scor
     arch = ModelArch.from_hf_config(config)
     model = build_model(arch, hf.state_dict(), torch.bfloat16)
     runner = make_runner(model, arch, num_blocks=64, cache=CacheConfig(block_size=4, attention_backend="torch"))
-    table, other = list(range(0, 16)), list(range(16, 32))
-    prompt, drafts = [12, 50, 7, 19, 88, 23, 30, 6, 1, 44, 15], [7, 8, 9, 10, 11]
-    runner.forward([ForwardItem(table, 0, prompt, 1)])
-    runner.forward([ForwardItem(other, 0, [9, 9, 40, 71, 3], 1)])
-    one_token_steps = [
-        runner.forward([ForwardItem(table, len(prompt) + j, [token], 1)])[0][0] for j, token in enumerate(drafts)
-    ]
-    scored = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts))])[0]
-    beside = runner.forward([ForwardItem(table, len(prompt), drafts, len(drafts)), ForwardItem(other, 5, [1] * 30, 30)])
-    for j, logits in enumerate(one_token_steps):
-        assert torch.equal(logits, scored[j]), j
-    assert torch.equal(scored, beside[0])
+    assert_one_token_steps_equal_scored_rows(runner, beside=[1] * 30)
 
 
 @needs_onednn
