@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import platform
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,9 @@ PACK_ROWS = 8
 # its last bit at 3-32 rows (the MLP's up projection), 1-32 (the LM head) or at almost any count (the down
 # projection, 1536 wide), so a one-token step and a speculative step's scored rows could part at a near-tie. At
 # a fixed row count a row's result depends neither on its place nor on the other rows, so these products run in
-# blocks of exactly this many rows, the last one padded. 16 rows is one AMX tile and costs what one row does:
+# blocks of exactly this many rows, the last one padded. Which counts part is the kernel's choice, not a rule:
+# on another AMX host (oneDNN's ISA avx10_1_512_amx) calls of 1-32 rows agreed with each other and 33 or more
+# did not; a fixed count holds on both. 16 rows is one AMX tile and costs what one row does:
 # the target's forward (Xeon with AMX, 2 threads, `specdec_bench.packing_bench`) 29.5 ms at one row against
 # 28.0 in one call of any size (fp32: 43 ms); the price is paid past 16 rows, where each block reads the weights
 # again: 8 sequences scoring 5 tokens 70 against 49 ms (fp32 85), 264 rows (a prefill) 207 against 108 (fp32
@@ -157,9 +160,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`; a half-precision `x` on
     an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype."""
     if weight.is_mkldnn:
-        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        if x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's products are 2-D already
+            return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+        rows = x.contiguous()
         if rows.dtype == weight.dtype == torch.bfloat16:
-            return _bf16_in_blocks(rows, weight, bias).view(*x.shape[:-1], -1)
+            return _bf16_in_blocks(rows, weight, bias)
         lone = rows.shape[0] == 1
         if lone:
             # oneDNN multiplies one row with another kernel than several, and for inputs wider than ~1K (the
@@ -171,9 +176,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         else:
             fp32_bias = None if bias is None else bias.float()
             out = onednn_product(rows.float(), weight, fp32_bias).to(x.dtype)
-        if lone:
-            out = out[:1]
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return out[:1] if lone else out
     if _ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32:
         return onednn_product(x, weight, bias)
     return F.linear(x, weight, bias)
@@ -188,16 +191,35 @@ def _bf16_in_blocks(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     """rows [n, in] through a bf16-packed weight in products of exactly HALF_BLOCK_ROWS rows -> [n, out]."""
     num_rows = rows.shape[0]
     if num_rows <= HALF_BLOCK_ROWS:
-        if num_rows < HALF_BLOCK_ROWS:
-            rows = F.pad(rows, (0, 0, 0, HALF_BLOCK_ROWS - num_rows))
-        return onednn_product(rows, weight, bias)[:num_rows]
-    # Whole blocks are views of the input; only the last, partial one is copied and padded.
+        return onednn_product(_padded_block(rows), weight, bias)[:num_rows]
+    # Whole blocks are views of the input; only the last, partial one is copied into a padded block.
     whole = num_rows - num_rows % HALF_BLOCK_ROWS
     blocks = list(rows[:whole].split(HALF_BLOCK_ROWS))
     if whole < num_rows:
-        blocks.append(F.pad(rows[whole:], (0, 0, 0, HALF_BLOCK_ROWS - (num_rows - whole))))
+        blocks.append(_padded_block(rows[whole:]))
     out = torch.cat([onednn_product(block, weight, bias) for block in blocks])
     return out[:num_rows]
+
+
+# Per thread (a service may run forwards on several), by width, dtype and inference mode (an inference tensor
+# cannot be written outside it).
+_padding = threading.local()
+
+
+def _padded_block(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n <= HALF_BLOCK_ROWS, in] as the first n rows of a block of HALF_BLOCK_ROWS [16, in], kept per thread
+    and width and overwritten by the next call. F.pad allocated and zero-filled a new block for each of a step's
+    121 products: 3-4% of a one-token bf16 step (Xeon with AMX, 2 threads). The rows past n hold zeros or an earlier
+    product's rows: a row's result does not depend on the other rows of its block (tests/unit/test_packed_linear.py)."""
+    blocks: dict[tuple[int, torch.dtype, bool], torch.Tensor] | None = getattr(_padding, "blocks", None)
+    if blocks is None:
+        blocks = _padding.blocks = {}
+    key = (rows.shape[1], rows.dtype, torch.is_inference_mode_enabled())
+    block = blocks.get(key)
+    if block is None:
+        block = blocks[key] = rows.new_zeros(HALF_BLOCK_ROWS, rows.shape[1])
+    block[: rows.shape[0]].copy_(rows)
+    return block
 
 
 def pack_linears(module: torch.nn.Module) -> None:

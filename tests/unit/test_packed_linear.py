@@ -141,6 +141,26 @@ def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, shape, half
         assert torch.equal(linear(x[start:stop], packed), together[start:stop]), (start, stop)
 
 
+@pytest.mark.skipif(not half_kernels(torch.bfloat16), reason="this CPU has no bf16 instructions for oneDNN's kernels")
+def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_padding_gives():
+    """`linear` pads a bf16 product's last block in a block kept per thread, whose spare rows hold an earlier
+    product's rows rather than zeros (parallel._padded_block). Without bf16 instructions nothing is padded."""
+    gen = torch.Generator().manual_seed(3)
+    packed = pack_weight(torch.randn(576, 1536, generator=gen).bfloat16())
+    earlier, x = torch.randn(15, 1536, generator=gen).bfloat16(), torch.randn(21, 1536, generator=gen).bfloat16()
+    for rows in (x[:1], x[:6], x):  # one block; a whole block and a partial one
+        linear(earlier, packed)
+        spare = parallel._padded_block(earlier)[rows.shape[0] % parallel.HALF_BLOCK_ROWS :]
+        assert spare.abs().sum() > 0  # the spare rows the next product leaves are not zeros
+        zero_padded = torch.cat(
+            [
+                parallel.onednn_product(F.pad(b, (0, 0, 0, 16 - b.shape[0])), packed, None)[: b.shape[0]]
+                for b in rows.split(16)
+            ]
+        )
+        assert torch.equal(linear(rows, packed), zero_padded), rows.shape[0]
+
+
 def test_a_bf16_position_gets_the_same_logits_in_a_one_token_step_and_among_scored_rows(half_path):
     """The whole forward in bf16, at the default target's widths (576 hidden, 1536 MLP): the logits a one-token
     step gives are, bit for bit, those of the same position among k + 1 scored rows and beside another
