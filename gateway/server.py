@@ -34,6 +34,7 @@ from gateway.http_api import make_app
 from gateway.http_limits import ConnectionStats, HttpLimits, LimitsMiddleware, guarded_protocol
 from gateway.prepare import RequestPreparer
 from gateway.servicer import GatewayServicer
+from shared.gc_tuning import freeze_startup_heap
 from shared.grpc_server import (
     add_health_and_reflection,
     install_sigterm,
@@ -241,6 +242,7 @@ async def serve(config: GatewayConfig) -> None:
     stop = asyncio.Event()
     install_sigterm(stop)
     gateway = await start_gateway(config)
+    freeze_startup_heap()  # shared/gc_tuning.py
     await stop.wait()
     log.info(
         "event=draining timeout_s=%.1f active_requests=%d",

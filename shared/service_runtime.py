@@ -9,6 +9,7 @@ import os
 from collections.abc import Awaitable, Callable
 from typing import ClassVar, TypeVar
 
+from shared.gc_tuning import freeze_startup_heap
 from shared.grpc_server import install_sigterm
 from shared.model.tp_group import TPModelRunner
 
@@ -79,6 +80,7 @@ class ServiceRuntime:
         except ValueError as err:  # a configuration the model cannot serve (e.g. heads not divisible by N)
             cls.log.error("cannot start the %s: %s", cls.role, err)
             raise SystemExit(2) from err
+        freeze_startup_heap()  # the model, tokenizer and libraries, loaded: never garbage (shared/gc_tuning.py)
         if on_ready is not None:
             on_ready(server)
         await first_of(stop.wait(), server.failed.wait())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import itertools
 import math
 import time
@@ -701,6 +702,8 @@ def test_serve_loads_the_model_from_disk_and_exits_on_sigterm(tmp_path):
     outcome: dict = {}
 
     def on_ready(server: VerifierServer) -> None:
+        outcome["frozen"] = gc.get_freeze_count()  # the start-up heap, frozen before serving (shared/gc_tuning.py)
+
         async def client() -> None:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
@@ -715,5 +718,9 @@ def test_serve_loads_the_model_from_disk_and_exits_on_sigterm(tmp_path):
         await serve(config, on_ready)
         await outcome["task"]
 
-    run(main())
+    try:
+        run(main())
+    finally:
+        gc.unfreeze()  # this test process's heap goes back to the collector
     assert outcome["tokens"] == reference(tuple(PROMPTS[0]), 12)
+    assert outcome["frozen"] > 10_000
