@@ -152,10 +152,11 @@ def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_paddi
         linear(earlier, packed)
         spare = parallel._padded_block(earlier)[rows.shape[0] % parallel.HALF_BLOCK_ROWS :]
         assert spare.abs().sum() > 0  # the spare rows the next product leaves are not zeros
+        block_rows = parallel.HALF_BLOCK_ROWS
         zero_padded = torch.cat(
             [
-                parallel.onednn_product(F.pad(b, (0, 0, 0, 16 - b.shape[0])), packed, None)[: b.shape[0]]
-                for b in rows.split(16)
+                parallel.onednn_product(F.pad(b, (0, 0, 0, block_rows - b.shape[0])), packed, None)[: b.shape[0]]
+                for b in rows.split(block_rows)
             ]
         )
         assert torch.equal(linear(rows, packed), zero_padded), rows.shape[0]
