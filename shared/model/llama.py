@@ -23,7 +23,7 @@ from shared.model.parallel import (
     pack_linears,
     pack_weight,
 )
-from shared.model.rope import RotaryEmbedding, apply_rotary
+from shared.model.rope import RotaryEmbedding, apply_rotation, rotation_for_rows
 
 if TYPE_CHECKING:
     from shared.model.compiled import CompiledForward
@@ -73,11 +73,12 @@ class Attention(torch.nn.Module):
         )
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.attention_bias, tp)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+    def forward(self, x, cos, signed_sin, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
+        """cos, signed_sin [T, 1, rot_dim]: rope.rotation_for_rows' tables."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
         # Queries and keys rotated in one call: half the small ops of a decode step's rotary
-        qk = apply_rotary(qk.view(-1, heads + kv_heads, head_dim), cos, sin)  # [T, H + kv_heads, D]
+        qk = apply_rotation(qk.view(-1, heads + kv_heads, head_dim), cos, signed_sin)  # [T, H + kv_heads, D]
         q, k = qk[:, :heads], qk[:, heads:]  # [T, H, D], [T, kv_heads, D]
         write_kv(k_cache, v_cache, k, v.view(-1, kv_heads, head_dim), meta)
         out = paged_attention(backend, q, k_cache, v_cache, meta, self.scale)  # [T, H, D]
@@ -106,8 +107,8 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch, tp)
 
-    def forward(self, x, cos, sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_cache, v_cache, meta, backend)
+    def forward(self, x, cos, signed_sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, k_cache, v_cache, meta, backend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -162,10 +163,10 @@ class LlamaModel(torch.nn.Module):
         if self.compiled is not None:
             return self.compiled(input_ids, kv_caches, meta, layers)
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(meta.positions, x.dtype)
+        cos, signed_sin = rotation_for_rows(*self.rotary(meta.positions, x.dtype))  # [T, 1, rot_dim] x2
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, sin, k_cache, v_cache, meta, self.backend)
+            x = layer(x, cos, signed_sin, k_cache, v_cache, meta, self.backend)
             if i in layers:
                 captured[i] = x
         final = self.norm(x)

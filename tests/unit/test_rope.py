@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from shared.model.config import ModelArch
-from shared.model.rope import RotaryEmbedding, apply_rotary, rope_inv_freq
+from shared.model.rope import RotaryEmbedding, apply_rotary, apply_rotation, rope_inv_freq, rotation_for_rows
 
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -219,3 +219,18 @@ def test_apply_rotary_preserves_norms_and_relative_angles() -> None:
     assert apply_rotary(q, cos, sin).norm().item() == pytest.approx(q.norm().item(), rel=1e-5)
     assert score(10, 3) == pytest.approx(score(107, 100), abs=1e-4)
     assert score(10, 3) != pytest.approx(score(10, 4), abs=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [1.0, 0.5])
+def test_apply_rotation_equals_apply_rotary_bit_for_bit(dtype: torch.dtype, partial: float) -> None:
+    """The model's rotation (rolled halves times a sin whose first half is negated, tables made once a forward) is
+    apply_rotary's (the negated half times sin) to the last bit: negation is exact in any float format."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(7, 5, 64, generator=gen).to(dtype)  # [T, heads, head_dim]
+    rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 4096)
+    cos, sin = rope(torch.tensor([0, 1, 2, 3, 500, 1777, 4095]), dtype)
+    expected = apply_rotary(x, cos, sin)
+    out = apply_rotation(x, *rotation_for_rows(cos, sin))
+    assert not torch.equal(out, x)
+    assert torch.equal(out, expected)
