@@ -92,7 +92,10 @@ class AttentionMetadata:
     # The fields above that only attention reads are then empty: the groups carry their own.
     groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     has_tree: bool = False  # some query is a tree node: its mask is not causal (a causal-only kernel cannot run it)
-    _grouped_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # init=False: a copy made with dataclasses.replace starts empty rather than with masks of another attn_mask
+    _grouped_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
 
     @property
     def num_seqs(self) -> int:

@@ -32,7 +32,7 @@ from shared.model.attention import AttentionMetadata, TorchPagedAttention, defau
 from shared.model.config import ModelArch
 from shared.model.llama import DecoderLayer, RMSNorm
 from shared.model.parallel import SINGLE, linear, pack_linears, pack_weight
-from shared.model.rope import RotaryEmbedding, apply_rotary, rotation_for_rows
+from shared.model.rope import RotaryEmbedding, apply_rotary, rotation_tables
 
 HEAD_ARCHITECTURE = "SpecdecEagleHead"
 CONFIG_FILE = "config.json"
@@ -154,7 +154,7 @@ class EagleHead(torch.nn.Module):
     ) -> torch.Tensor:  # [T, hidden]: x_j (EAGLE-1: predicted f_{j+1})
         x = torch.cat([features.to(self.fc_weight.dtype), F.embedding(next_ids, self.embed_weight)], dim=-1)
         x = linear(x, self.fc_weight, self.fc_bias)
-        cos, signed_sin = rotation_for_rows(*self.rotary(meta.positions, x.dtype))  # llama.DecoderLayer's form
+        cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # llama.DecoderLayer's form
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
             x = layer(x, cos, signed_sin, k_cache, v_cache, meta, self.backend)
         return x

@@ -23,7 +23,7 @@ from shared.model.parallel import (
     pack_linears,
     pack_weight,
 )
-from shared.model.rope import RotaryEmbedding, apply_rotation, rotation_for_rows
+from shared.model.rope import RotaryEmbedding, apply_rotation, rotation_tables
 
 if TYPE_CHECKING:
     from shared.model.compiled import CompiledForward
@@ -74,7 +74,7 @@ class Attention(torch.nn.Module):
         self.o_proj = RowParallelLinear(arch.q_size, arch.hidden_size, arch.attention_bias, tp)
 
     def forward(self, x, cos, signed_sin, k_cache, v_cache, meta: AttentionMetadata, backend) -> torch.Tensor:
-        """cos, signed_sin [T, 1, rot_dim]: rope.rotation_for_rows' tables."""
+        """cos, signed_sin [T, 1, rot_dim]: rope.rotation_tables' tables."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk, v = self.qkv_proj(x).split([(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1)
         # Queries and keys rotated in one call: half the small ops of a decode step's rotary
@@ -163,7 +163,7 @@ class LlamaModel(torch.nn.Module):
         if self.compiled is not None:
             return self.compiled(input_ids, kv_caches, meta, layers)
         x = self.embed_tokens(input_ids)
-        cos, signed_sin = rotation_for_rows(*self.rotary(meta.positions, x.dtype))  # [T, 1, rot_dim] x2
+        cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # [T, 1, rot_dim] x2
         captured: dict[int, torch.Tensor] = {}
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
             x = layer(x, cos, signed_sin, k_cache, v_cache, meta, self.backend)

@@ -107,16 +107,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return out if x_pass.shape[-1] == 0 else torch.cat((out, x_pass), dim=-1)
 
 
-def rotation_for_rows(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rotation_tables(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [T, rot_dim] -> cos [T, 1, rot_dim] and sin with its first half negated [T, 1, rot_dim], made once a
-    forward for `apply_rotation` in every layer: apply_rotary's eleven small ops a layer become four."""
+    forward for `apply_rotation` in every layer: apply_rotary's eleven small ops a layer become four (full rotary)."""
     half = cos.shape[-1] // 2
     signed_sin = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
     return cos.unsqueeze(1), signed_sin.unsqueeze(1)
 
 
 def apply_rotation(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """apply_rotary bit for bit, from `rotation_for_rows`' tables: the rolled halves times the signed sin are
+    """apply_rotary bit for bit, from `rotation_tables`' tables: the rolled halves times the signed sin are
     apply_rotary's negated half times sin, since negation is exact. x [T, heads, head_dim]."""
     rot_dim = cos.shape[-1]
     if rot_dim == x.shape[-1]:

@@ -74,7 +74,7 @@ def test_small_steps_stay_one_call_and_cuda_keeps_short_queries_together():
 
 def test_the_additive_mask_made_once_a_step_gives_what_the_bool_mask_gives_to_the_bit(monkeypatch):
     """SDPA given the bool mask converts it to this additive one in every call (every layer); made once a step it
-    must change nothing: fully masked padding rows, decode rows, verify rows and a prefill chunk, fp32 and bf16."""
+    must change nothing: fully masked padding rows, decode rows, verify rows and a prefill chunk, fp32, bf16, fp16."""
     spans, k_cache, v_cache, q = _case(2)
     meta = build_metadata(spans, BLOCK)
     _, call = meta.groups[0]
@@ -84,7 +84,7 @@ def test_the_additive_mask_made_once_a_step_gives_what_the_bool_mask_gives_to_th
     assert torch.equal(mask == 0, attend) and bool((mask[~attend] == float("-inf")).all())
     assert call.grouped_mask(GROUP, torch.bfloat16) is mask  # once a step, not once a layer
     backend = TorchPagedAttention()
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         args = (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype))
         additive = paged_attention(backend, *args, build_metadata(spans, BLOCK), 0.125)
         with monkeypatch.context() as patch:

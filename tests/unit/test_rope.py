@@ -11,7 +11,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
 from shared.model.config import ModelArch
-from shared.model.rope import RotaryEmbedding, apply_rotary, apply_rotation, rope_inv_freq, rotation_for_rows
+from shared.model.rope import RotaryEmbedding, apply_rotary, apply_rotation, rope_inv_freq, rotation_tables
 
 LLAMA31 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -231,6 +231,6 @@ def test_apply_rotation_equals_apply_rotary_bit_for_bit(dtype: torch.dtype, part
     rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 4096)
     cos, sin = rope(torch.tensor([0, 1, 2, 3, 500, 1777, 4095]), dtype)
     expected = apply_rotary(x, cos, sin)
-    out = apply_rotation(x, *rotation_for_rows(cos, sin))
+    out = apply_rotation(x, *rotation_tables(cos, sin))
     assert not torch.equal(out, x)
     assert torch.equal(out, expected)
