@@ -163,6 +163,7 @@ class CompiledForward:
         tests/unit/test_compiled_forward.py holds them within 1e-4 of each other."""
         model = self.model
         x = F.embedding(input_ids, model.embed_tokens.weight)  # [T, hidden]
+        # apply_rotary, not llama's apply_rotation: torch.roll cannot be traced with the step's unbacked row count
         cos, sin = model.rotary(positions, x.dtype)
         outputs: list[torch.Tensor] = []  # each decoder layer's output
         for i, layer in enumerate(self.layers):

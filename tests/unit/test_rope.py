@@ -223,14 +223,19 @@ def test_apply_rotary_preserves_norms_and_relative_angles() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("partial", [1.0, 0.5])
-def test_apply_rotation_equals_apply_rotary_bit_for_bit(dtype: torch.dtype, partial: float) -> None:
+def test_apply_rotation_equals_transformers_rotate_half_bit_for_bit(dtype: torch.dtype, partial: float) -> None:
     """The model's rotation (rolled halves times a sin whose first half is negated, tables made once a forward) is
-    apply_rotary's (the negated half times sin) to the last bit: negation is exact in any float format."""
+    transformers' (its rotate_half's negated half times sin) to the last bit, given the same cos and sin: negation
+    is exact in any float format."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 5, 64, generator=gen).to(dtype)  # [T, heads, head_dim]
     rope = RotaryEmbedding({"rope_theta": 10000.0, "partial_rotary_factor": partial}, 64, 4096)
     cos, sin = rope(torch.tensor([0, 1, 2, 3, 500, 1777, 4095]), dtype)
-    expected = apply_rotary(x, cos, sin)
+    rot_dim = cos.shape[-1]
+    head = x[..., :rot_dim].transpose(0, 1)[None]  # [1, heads, T, rot_dim]
+    expected, _ = apply_rotary_pos_emb(head, head, cos[None], sin[None])
     out = apply_rotation(x, *rotation_tables(cos, sin))
     assert not torch.equal(out, x)
-    assert torch.equal(out, expected)
+    assert torch.equal(out[..., :rot_dim], expected[0].transpose(0, 1))
+    assert torch.equal(out[..., rot_dim:], x[..., rot_dim:])
+    assert torch.equal(apply_rotary(x, cos, sin), out)
