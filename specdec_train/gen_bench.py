@@ -18,7 +18,7 @@ from shared.sampling import SamplingParams
 from shared.settings import default_target_model
 from specdec_local.builder import build_engine
 from specdec_train.conversations import conversation_set
-from specdec_train.data import prompt_ids
+from specdec_train.data import generation_dtype, prompt_ids
 from verifier_service.engine import EngineConfig
 
 
@@ -43,17 +43,19 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=96)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch's default)")
+    p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="float32", help="as the generator's")
     args = p.parse_args()
     tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
     target = default_target_model()
-    model, tokenizer = load_model(target), load_tokenizer(target)
+    dtype = generation_dtype(args.dtype)
+    model, tokenizer = load_model(target, getattr(torch, dtype)), load_tokenizer(target)
     sizes = [int(b) for b in args.batches.split(",")]
     convs = conversation_set(12345, max(sizes))  # not the training seed's first conversations
     prompts = [prompt_ids(tokenizer, c.turns[0], c.chat, c.system) for c in convs]
     rates: dict[int, list[float]] = {b: [] for b in sizes}
-    print(f"load average at start: {os.getloadavg()}, torch threads {torch.get_num_threads()}", flush=True)
+    print(f"load average at start: {os.getloadavg()}, torch threads {torch.get_num_threads()}, {dtype}", flush=True)
     for r in range(args.rounds):
         order = sizes[r % len(sizes) :] + sizes[: r % len(sizes)]
         for batch in order:

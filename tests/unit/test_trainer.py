@@ -393,3 +393,29 @@ def test_acceptance_per_position_sums_to_the_tokens_per_step():
         result.add(depth, accepted)
     assert result.per_position == pytest.approx([3 / 4, 2 / 4, 2 / 4, 1 / 4])
     assert 1 + sum(result.per_position) == pytest.approx(result.mean_accepted_length)
+
+
+def test_data_generated_in_bf16_records_its_dtype_in_each_shard(tmp_path, monkeypatch):
+    from specdec_train import data
+    from specdec_train.__main__ import quick_target
+
+    loaded = []
+    real_load = data.load_model
+    monkeypatch.setattr(data, "load_model", lambda name, dtype: loaded.append(dtype) or real_load(name, dtype))
+    config = data.DataConfig(
+        quick_target(tmp_path), tmp_path / "data", 8, batch=8, shard_size=4, random_prompts=True, max_new_tokens=8,
+        dtype="bfloat16",
+    )  # fmt: skip
+    paths = data.generate(config, progress=False)
+    assert loaded == [torch.bfloat16] and len(paths) == 2
+    assert {torch.load(p)["dtype"] for p in paths} == {"bfloat16"}
+    samples = data.load_samples(paths)
+    assert len(samples) == 8 and all(s["generated"].any() for s in samples)
+
+
+def test_generation_dtype_auto_is_bf16_only_with_bf16_kernels():
+    from shared.model.parallel import half_kernels
+    from specdec_train.data import generation_dtype
+
+    assert generation_dtype("auto") == ("bfloat16" if half_kernels(torch.bfloat16) else "float32")
+    assert generation_dtype("float32") == "float32" and generation_dtype("bfloat16") == "bfloat16"
