@@ -162,6 +162,7 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     from proposer_service.eagle import make_eagle_drafter
     from shared.model.attention import DEFAULT_BLOCK_SIZE
     from shared.model.build import CacheConfig, default_num_blocks
+    from shared.model.dtype import resolve_head_dtype
     from shared.model.eagle import check_feature_layers
     from shared.model.info import resolve_device, tokenizer_fingerprint
     from shared.model.loader import load_embeddings
@@ -176,6 +177,9 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         config.block_size or DEFAULT_BLOCK_SIZE, config.num_kv_blocks, "torch", config.enable_prefix_caching
     )
     num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
+    device = resolve_device(config.device)
+    dtype = resolve_head_dtype(config.dtype, device, target)
+    log.info("head dtype=%s (--dtype %s) device=%s", str(dtype).removeprefix("torch."), config.dtype, device)
     drafter = make_eagle_drafter(
         head_dir,
         embedding,
@@ -184,9 +188,10 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         cache.block_size,
         cache.enable_prefix_caching,
         config.draft_top_n,
-        resolve_device(config.device),
+        device,
         # The head drafts the target's token ids: the target's tokenizer names them.
         load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
+        dtype,
     )
     # A head for layers this target lacks is refused here, at start-up, not by a verifier later.
     check_feature_layers(drafter.head.feature_layers, arch.num_layers, f"the head {head_dir}")

@@ -104,8 +104,8 @@ class ProposerConfig(TLSConfig):
     dtype: str = field(
         default="auto",
         metadata={
-            "help": "weights and KV cache dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
-            "bfloat16 or float16"
+            "help": "weights and KV cache dtype: auto (the checkpoint's dtype on GPU, float32 on CPU; an EAGLE "
+            "head: bfloat16 on a CPU with bf16 instructions), float32, bfloat16 or float16"
         },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})

@@ -250,11 +250,13 @@ def make_eagle_drafter(
     top_n: int = 64,
     device: str = "cpu",
     grammar: GrammarCompiler | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> EagleDrafter:
-    """The head from its folder, with the target's embedding and LM head [vocab, hidden] (only those tensors)."""
+    """The head from its folder, with the target's embedding and LM head [vocab, hidden] (only those tensors),
+    its weights and KV cache in `dtype`."""
     from shared.model.eagle import build_head
 
-    head, _ = build_head(head_dir, target_embedding, target_lm_head, device)
+    head, _ = build_head(head_dir, target_embedding, target_lm_head, device, dtype)
     return drafter_for_head(head, num_blocks, block_size, enable_prefix_caching, top_n, grammar)
 
 

@@ -17,6 +17,7 @@ import time
 import torch
 
 from shared.malloc_tuning import tune_malloc
+from shared.model.dtype import resolve_head_dtype
 from shared.model.eagle import (
     EagleHead,
     arch_from_config,
@@ -34,14 +35,16 @@ from specdec_bench.prompts import GENERAL_PROMPTS
 from specdec_train.data import prompt_ids
 
 
-def eagle3_twin(eagle1_dir: str, embedding: torch.Tensor, lm_head: torch.Tensor, target_arch) -> EagleHead:
+def eagle3_twin(
+    eagle1_dir: str, embedding: torch.Tensor, lm_head: torch.Tensor, target_arch, dtype: torch.dtype = torch.float32
+) -> EagleHead:
     """An EAGLE-3 head shaped like the EAGLE-1 one (same subset size), random weights."""
     layers = (*eagle3_layers(target_arch.num_layers), -1)
     subset = load_head_state(eagle1_dir)["vocab_subset"]
     config = head_config(target_arch, 1, len(subset), layers)
     folder = tempfile.mkdtemp()
     save_head(folder, config, init_head_state(arch_from_config(config), subset, 0, layers))
-    return build_head(folder, embedding, lm_head)[0]
+    return build_head(folder, embedding, lm_head, dtype=dtype)[0]
 
 
 def time_fuse(head: EagleHead, rows: int, reps: int) -> float:
@@ -62,6 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--reps", type=int, default=10, help="timed forwards per measurement (median)")
+    p.add_argument("--dtype", default="auto", help="the heads' dtype, as an EAGLE proposer's --dtype (auto: its rule)")
     args = p.parse_args(argv)
     tune_malloc()
     torch.set_num_threads(args.threads)
@@ -69,11 +73,12 @@ def main(argv: list[str] | None = None) -> None:
     model, arch = load_model(target)
     embedding, lm_head, target_arch = load_embeddings(target)
     eagle1_dir = args.head or str(default_eagle_head())
-    eagle1 = build_head(eagle1_dir, embedding, lm_head)[0]
-    eagle3 = eagle3_twin(eagle1_dir, embedding, lm_head, target_arch)
+    dtype = resolve_head_dtype(args.dtype, "cpu", target)
+    eagle1 = build_head(eagle1_dir, embedding, lm_head, dtype=dtype)[0]
+    eagle3 = eagle3_twin(eagle1_dir, embedding, lm_head, target_arch, dtype)
     tokenizer = load_tokenizer(target)
     prompts = [prompt_ids(tokenizer, text, True) for text in GENERAL_PROMPTS]
-    print(f"load at start {os.getloadavg()}, {args.threads} thread(s)")
+    print(f"load at start {os.getloadavg()}, {args.threads} thread(s), heads in {dtype}")
     for batch in (1, 8):
         group = prompts[:batch]
         step, one, three, fuse = [], [], [], []

