@@ -14,7 +14,9 @@ import logging
 import math
 import threading
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 
@@ -69,9 +71,21 @@ class _StreamState:
 
 
 class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
-    def __init__(self, drafter: Drafter, info: ProposerInfo, telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        drafter: Drafter,
+        info: ProposerInfo,
+        telemetry: Telemetry | None = None,
+        compute: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """`compute`: the one-worker executor that built the drafter (default: a new one). Every drafter call
+        runs on it: libgomp keeps a team of OpenMP workers per thread that runs parallel torch work and stops
+        letting them spin between products once a process holds more such threads than CPUs, so a drafter
+        spread over pool threads would wake a sleeping worker for every product (verifier_service/engine_loop.py
+        measured what that costs)."""
         self.drafter = drafter
         self.info = info
+        self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="drafter")
         self.telemetry = ProposerTelemetry(telemetry or Telemetry("specdec-proposer"), self)
         self._drafter_lock = threading.Lock()  # the drafter is not thread-safe; held by worker threads only
         self._stream_numbers = itertools.count(1)
@@ -125,7 +139,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             self._pending_release.extend(stream.key(s) for s in stream.live)
             log.info("propose stream closed stream=%d sequences_released=%d", stream.number, len(stream.live))
             try:
-                await asyncio.to_thread(self._locked_call, [], [])  # applies the pending releases
+                await self._on_compute(self._locked_call, [], [])  # applies the pending releases
             except BaseException:  # cancelled during shutdown: the drafter goes away with the process
                 pass
             finally:
@@ -193,7 +207,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
                 if self.messages == seen:
                     draft_ahead(requests, drafts, lambda: self.messages != seen)
 
-        asyncio.get_running_loop().run_in_executor(None, run).add_done_callback(_log_failure)
+        asyncio.get_running_loop().run_in_executor(self.compute, run).add_done_callback(_log_failure)
 
     def _precheck(self, seq: proposer_pb2.ProposeSequence, stream: _StreamState, releases: list[str]) -> Draft | None:
         """An answer that needs no drafter call, or None."""
@@ -248,7 +262,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         if not requests and not releases and not self._pending_release:
             return []
         try:
-            drafts = await asyncio.to_thread(self._locked_call, releases, requests)
+            drafts = await self._on_compute(self._locked_call, releases, requests)
             if len(drafts) != len(requests):
                 raise RuntimeError(f"drafter returned {len(drafts)} drafts for {len(requests)} sequences")
         except Exception:
@@ -256,6 +270,9 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             self._pending_release.extend(r.seq_id for r in requests)  # their state may be half-updated
             drafts = [Draft(r.seq_id, r.committed_len, [], needs_resync=True) for r in requests]
         return drafts
+
+    async def _on_compute(self, fn: Callable[..., list[Draft]], *args: Any) -> list[Draft]:
+        return await asyncio.get_running_loop().run_in_executor(self.compute, fn, *args)
 
     def _locked_call(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:
         """Runs in a worker thread: releases (pending ones first), then one batched propose."""
@@ -297,12 +314,13 @@ class ProposerServer(ServiceRuntime):
         telemetry: Telemetry | None = None,
     ) -> ProposerServer:
         """`telemetry`: default from the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
+        compute = ThreadPoolExecutor(1, thread_name_prefix="drafter")  # built on the thread that will draft
         if drafter is None or info is None:
-            drafter, info = await asyncio.to_thread(build_drafter, config)
+            drafter, info = await asyncio.get_running_loop().run_in_executor(compute, build_drafter, config)
         assert drafter is not None and info is not None
         if telemetry is None:
             telemetry = setup_telemetry("specdec-proposer", metrics_port=config.metrics_port, metrics_host=config.host)
-        servicer = ProposerServicer(drafter, info, telemetry)
+        servicer = ProposerServicer(drafter, info, telemetry, compute)
         server = new_server([*telemetry.server_interceptors(), *server_interceptors(config)])
         proposer_pb2_grpc.add_ProposerServicer_to_server(servicer, server)
         health = add_health_and_reflection(server, [SERVICE_NAME])

@@ -12,6 +12,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -292,13 +293,18 @@ class VerifierServer(ServiceRuntime):
         proposer = remote_proposer(config, arch, name, tokenizer_fingerprint)
         if proposer is not None:
             await proposer.start()
+        # The engine is built (target loaded, packed, warmed up) on the thread that will run its steps (EngineLoop).
+        step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
         try:
-            engine = await asyncio.to_thread(build_service_engine, config, name, target, proposer)
+            engine = await asyncio.get_running_loop().run_in_executor(
+                step_thread, build_service_engine, config, name, target, proposer
+            )
         except BaseException:
+            step_thread.shutdown(wait=False)
             if proposer is not None:
                 await proposer.close()
             raise
-        loop = EngineLoop(engine, proposer)
+        loop = EngineLoop(engine, proposer, step_thread=step_thread)
         if telemetry is None:
             telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
         observer = VerifierTelemetry(telemetry, engine, proposer, loop)
