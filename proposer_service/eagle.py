@@ -271,6 +271,6 @@ def drafter_for_head(
     """A drafter with a fresh KV cache around a head already loaded (several engines can share one head)."""
     arch, weight = head.arch, head.fc_weight
     cache = KVCache(
-        arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, weight.dtype, weight.device
+        arch.num_layers, num_blocks, block_size, arch.num_kv_heads, arch.head_dim, head.dtype, weight.device
     )
     return EagleDrafter(head, cache, BlockManager(num_blocks, block_size, enable_prefix_caching), top_n, grammar)

@@ -5,6 +5,7 @@ needs (a draft only ever costs acceptance, never a token)."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from shared.proto_gen.specdec.v1 import proposer_pb2
@@ -36,8 +37,13 @@ def features_from_proto(msg: proposer_pb2.TargetFeatures, hidden_size: int) -> t
     itemsize = torch.finfo(torch_dtype).bits // 8
     if len(msg.data) != msg.rows * msg.hidden_size * itemsize:
         raise ValueError(f"{len(msg.data)} feature bytes for {msg.rows} x {msg.hidden_size} {torch_dtype} values")
-    raw = torch.frombuffer(bytearray(msg.data), dtype=torch.uint8) if msg.data else torch.empty(0, dtype=torch.uint8)
-    features = raw.view(torch_dtype).view(msg.rows, msg.hidden_size).float()
-    if not bool(torch.isfinite(features).all()):
+    # Widened and checked in numpy, not torch: on a block of more than 32,768 values torch runs an OpenMP team on
+    # the calling thread (the proposer's event loop), a second one beside the drafter's (proposer_service/server.py).
+    if torch_dtype == torch.bfloat16:  # numpy has no bf16: its bits are the high half of an fp32's
+        wide = (np.frombuffer(msg.data, dtype=np.uint16).astype(np.uint32) << 16).view(np.float32)
+    else:
+        wide = np.frombuffer(msg.data, dtype=np.float16 if torch_dtype == torch.float16 else np.float32)
+        wide = wide.astype(np.float32)  # a writable copy, widened
+    if not np.isfinite(wide).all():
         raise ValueError("features hold non-finite values")
-    return msg.start_position, features
+    return msg.start_position, torch.from_numpy(wide).view(msg.rows, msg.hidden_size)

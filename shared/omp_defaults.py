@@ -8,7 +8,8 @@ stack through the gateway 20.7 tok/s against 20.9 at the default; 3,000 did not:
 soon after a step: `make run`'s speculating stack 1.47x -> 1.56x target-only at 1 client greedy, 1.13x -> 1.27x
 at T = 0.8, 1.01x -> 1.05x at 8 clients (2 cores, AMX host, 2026-12-02, docs/BENCHMARKS.md).
 
-A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept (the test suite sets PASSIVE for its many processes)."""
+A user's own OMP_WAIT_POLICY or GOMP_SPINCOUNT is kept (the test suite, and the process stacks of
+specdec_local.processes that the soak and edge probes start, set PASSIVE for their many processes)."""
 
 from __future__ import annotations
 

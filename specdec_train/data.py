@@ -260,7 +260,8 @@ def generation_dtype(choice: str) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """`python -m specdec_train.data`: generate (or resume generating) the shards alone, e.g. in the background
-    under `nice -n 19`; `python -m specdec_train` runs the same step first, with the same defaults."""
+    under `nice -n 19`; `python -m specdec_train` runs the same step first, with the same defaults except the
+    dtype (the trainer generates with its own fp32 target)."""
     import argparse
 
     from shared.malloc_tuning import tune_malloc

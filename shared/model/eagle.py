@@ -133,6 +133,12 @@ class EagleHead(torch.nn.Module):
         return self.subset_lm_head.shape[0]
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The head's dtype (build_head's). Not a packed weight's: where the CPU lacks kernels for a half dtype,
+        pack_weight keeps its weights as fp32 holding the same values, and `linear` rounds the products back."""
+        return self.embed_weight.dtype
+
+    @property
     def feature_width(self) -> int:
         """Values per position the verifier sends: the hidden size times the layers read."""
         return len(self.feature_layers) * self.arch.hidden_size
@@ -141,8 +147,8 @@ class EagleHead(torch.nn.Module):
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [T, feature_width] -> [T, hidden]
         """The target's features of real positions -> the head's input g (EAGLE-1: the features themselves)."""
         if not self.fused:
-            return features.to(self.fc_weight.dtype)
-        return linear(_normalized_layers(features.to(self.fc_weight.dtype), len(self.feature_layers)), self.fuse_weight)
+            return features.to(self.dtype)
+        return linear(_normalized_layers(features.to(self.dtype), len(self.feature_layers)), self.fuse_weight)
 
     @torch.inference_mode()
     def forward(
@@ -152,7 +158,7 @@ class EagleHead(torch.nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,  # positions are the head positions j
     ) -> torch.Tensor:  # [T, hidden]: x_j (EAGLE-1: predicted f_{j+1})
-        x = torch.cat([features.to(self.fc_weight.dtype), F.embedding(next_ids, self.embed_weight)], dim=-1)
+        x = torch.cat([features.to(self.dtype), F.embedding(next_ids, self.embed_weight)], dim=-1)
         x = linear(x, self.fc_weight, self.fc_bias)
         cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # llama.DecoderLayer's form
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):

@@ -61,6 +61,8 @@ def make_head_dir(tmp_path, target_arch, subset: torch.Tensor, seed: int = 0, sc
                 t.mul_(scale)
             if "norm" in name:  # non-trivial norms, so the test sees them applied
                 t.uniform_(0.5, 1.5)
+            if name == "norm.weight":  # a fused head's output norm sets its logits' scale: as sharp as asked
+                t.mul_(scale)
     save_head(tmp_path, config, state)
     return tmp_path
 
@@ -233,14 +235,24 @@ def run(engine, ps, params) -> dict[str, list[int]]:
 @pytest.mark.parametrize(
     ("k", "max_num_seqs", "layers", "dtype"),
     [(1, 1, (-1,), "float32"), (3, 4, (-1,), "float32"), (5, 3, (-1,), "float32"), (3, 4, FUSED, "float32")]
-    + [(3, 4, (-1,), "bfloat16"), (3, 4, FUSED, "bfloat16")],  # a head in bf16 (`--dtype auto` with bf16 instructions)
+    # a head in bf16 (`--dtype auto` with bf16 instructions), and one asked for on a CPU without them, whose
+    # packed weights hold fp32 (its fc's bias stays bf16: the product must still take it)
+    + [(3, 4, (-1,), "bfloat16"), (3, 4, FUSED, "bfloat16"), (3, 4, FUSED, "bfloat16-no-kernels")],
 )
-def test_greedy_through_the_engine_equals_transformers(tmp_path, target_hf, target, k, max_num_seqs, layers, dtype):
+def test_greedy_through_the_engine_equals_transformers(
+    tmp_path, target_hf, target, k, max_num_seqs, layers, dtype, monkeypatch
+):
+    if dtype.endswith("-no-kernels"):
+        from shared.model import parallel
+
+        monkeypatch.setattr(parallel, "half_kernels", lambda half: False)
+        dtype = dtype.removesuffix("-no-kernels")
     folder = make_head_dir(tmp_path, target[1], torch.arange(VOCAB), layers=layers)
     drafter = make_eagle_drafter(
         str(folder), *embeddings(target), num_blocks=256, block_size=4, dtype=getattr(torch, dtype)
     )
-    assert drafter.head.fc_weight.dtype == drafter.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
+    # the head's dtype whether or not this CPU has bf16 kernels (without them its packed weights hold fp32)
+    assert drafter.head.dtype == drafter.kv_cache.layers[0][0].dtype == getattr(torch, dtype)
     engine = engine_with_eagle(target, drafter, k=k, max_num_seqs=max_num_seqs)
     ps = prompts(4, seed=k)
     outs = run(engine, ps, SamplingParams(max_tokens=24, ignore_eos=True))
