@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-draft-tokens", type=int, default=None, help="each request's cap on k")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.stacks.split(",") if n.strip()]
-    unknown = [n for n in names if n not in gb.STACK_KINDS]
+    unknown = [n for n in names if gb._stack_dtype(n)[0] not in gb.STACK_KINDS]  # a dtype suffix: e.g. target-bf16
     if unknown:
         raise SystemExit(f"--stacks: unknown {unknown}; choose from {', '.join(gb.STACK_KINDS)}")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
