@@ -32,6 +32,7 @@ from shared.feature_codec import features_from_proto
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
+from shared.omp_defaults import model_thread
 from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.sampling import SamplingParams
@@ -78,14 +79,11 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
         telemetry: Telemetry | None = None,
         compute: ThreadPoolExecutor | None = None,
     ) -> None:
-        """`compute`: the one-worker executor that built the drafter (default: a new one). Every drafter call
-        runs on it: libgomp keeps a team of OpenMP workers per thread that runs parallel torch work and stops
-        letting them spin between products once a process holds more such threads than CPUs, so a drafter
-        spread over pool threads would wake a sleeping worker for every product (verifier_service/engine_loop.py
-        measured what that costs)."""
+        """`compute`: the drafter's model thread (shared.omp_defaults.model_thread), which built it; default: a
+        new one. Every drafter call runs on it."""
         self.drafter = drafter
         self.info = info
-        self.compute = compute or ThreadPoolExecutor(1, thread_name_prefix="drafter")
+        self.compute = compute or model_thread("drafter")
         self.telemetry = ProposerTelemetry(telemetry or Telemetry("specdec-proposer"), self)
         self._drafter_lock = threading.Lock()  # the drafter is not thread-safe; held by worker threads only
         self._stream_numbers = itertools.count(1)
@@ -314,7 +312,7 @@ class ProposerServer(ServiceRuntime):
         telemetry: Telemetry | None = None,
     ) -> ProposerServer:
         """`telemetry`: default from the OTEL_* environment and --metrics-port (shared/telemetry.py)."""
-        compute = ThreadPoolExecutor(1, thread_name_prefix="drafter")  # built on the thread that will draft
+        compute = model_thread("drafter")  # built on the thread that will draft
         if drafter is None or info is None:
             drafter, info = await asyncio.get_running_loop().run_in_executor(compute, build_drafter, config)
         assert drafter is not None and info is not None

@@ -249,13 +249,12 @@ def load_samples(paths: list[Path]) -> list[dict]:
 
 
 def generation_dtype(choice: str) -> str:
-    """--dtype auto: bf16 only where oneDNN has real bf16 kernels (elsewhere bf16 products are fp32 ones plus
-    conversions, no faster)."""
+    """--dtype auto: the CPU's fast dtype (shared.model.dtype.fast_cpu_dtype)."""
     if choice != "auto":
         return choice
-    from shared.model.parallel import half_kernels
+    from shared.model.dtype import fast_cpu_dtype
 
-    return "bfloat16" if half_kernels(torch.bfloat16) else "float32"
+    return str(fast_cpu_dtype()).removeprefix("torch.")
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from shared.errors import InvalidRequestError, NumericalError, ReaderStalledError, UnavailableError
 from shared.grammar import GrammarMatcher
 from shared.logprobs import TokenLogprob
+from shared.omp_defaults import model_thread
 from shared.sampling import SamplingParams
 from verifier_service.engine import Engine, RequestOutput, SpeculationRatios
 from verifier_service.remote_proposer import RemoteProposer
@@ -129,18 +130,12 @@ class EngineLoop:
         max_buffered_updates: int = MAX_BUFFERED_UPDATES,
         step_thread: ThreadPoolExecutor | None = None,
     ) -> None:
-        """`step_thread`: a one-worker executor that already ran the engine's own torch work (its loading and
-        warm-up), see below; default: a new one."""
+        """`step_thread`: the engine's model thread (shared.omp_defaults.model_thread), which already loaded and
+        warmed it up; default: a new one."""
         self.max_buffered_updates = max_buffered_updates
         self.grammar_timeout_s = GRAMMAR_TIMEOUT_S
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="grammar")
-        # Every step on one thread, the one that loaded and warmed up the model. OpenMP (libgomp) keeps a team
-        # of worker threads for each thread that runs parallel torch work, and once a process holds more such
-        # threads than it has CPUs it no longer lets them spin between products: each of a step's ~120
-        # products then wakes a sleeping worker (in a VM an interrupt through the hypervisor). With the warm-up
-        # on one pool thread and the steps on others (asyncio.to_thread), the verifier's target-only steps took
-        # 62 ms where the same engine in one thread took ~43 (2 cores, AMX host, 2026-12-02).
-        self._step_thread = step_thread or ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        self._step_thread = step_thread or model_thread("engine-step")  # every step on the model's one thread
         self.engine = engine
         self.proposer = proposer
         self._lock = asyncio.Lock()  # held while the engine steps, adds or aborts

@@ -12,7 +12,6 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 
@@ -25,6 +24,7 @@ from shared.malloc_tuning import tune_malloc
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
 from shared.model.tp_group import TPModelRunner
+from shared.omp_defaults import model_thread
 from shared.proto_convert import sampling_params_from_proto
 from shared.proto_gen.specdec.v1 import common_pb2, verifier_pb2, verifier_pb2_grpc
 from shared.request_ids import check_request_id, checked_or_empty, new_internal_id
@@ -294,7 +294,7 @@ class VerifierServer(ServiceRuntime):
         if proposer is not None:
             await proposer.start()
         # The engine is built (target loaded, packed, warmed up) on the thread that will run its steps (EngineLoop).
-        step_thread = ThreadPoolExecutor(1, thread_name_prefix="engine-step")
+        step_thread = model_thread("engine-step")
         try:
             engine = await asyncio.get_running_loop().run_in_executor(
                 step_thread, build_service_engine, config, name, target, proposer

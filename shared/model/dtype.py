@@ -40,6 +40,16 @@ def resolve_dtype(choice: str, device: str, name_or_path: str) -> torch.dtype:
     return checkpoint_dtype(name_or_path)
 
 
+def fast_cpu_dtype() -> torch.dtype:
+    """bfloat16 on a CPU that multiplies bf16 in hardware (AMX, AVX-512 BF16), else float32 (there bf16 products
+    are fp32 ones plus conversions, no faster): for work whose precision cannot change the stack's output."""
+    import torch
+
+    from shared.model.parallel import half_kernels
+
+    return torch.bfloat16 if half_kernels(torch.bfloat16) else torch.float32
+
+
 def resolve_head_dtype(choice: str, device: str, target_name: str) -> torch.dtype:
     """--dtype of an EAGLE proposer: its head's weights and KV cache. A head's precision cannot change what the
     stack emits (every draft is verified exactly against the target, with the probabilities it was drawn from),
@@ -50,7 +60,5 @@ def resolve_head_dtype(choice: str, device: str, target_name: str) -> torch.dtyp
     import torch
 
     if choice == "auto" and torch.device(device).type == "cpu":
-        from shared.model.parallel import half_kernels
-
-        return torch.bfloat16 if half_kernels(torch.bfloat16) else torch.float32
+        return fast_cpu_dtype()
     return resolve_dtype(choice, device, target_name)
