@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from proposer_service.config import ProposerConfig
 from shared.drafting import Drafter
 from shared.grammar import GrammarCompiler, load_compiler
+from shared.placement import cpu_set, host_id
 from shared.proto_gen.specdec.v1 import proposer_pb2
 
 log = logging.getLogger("specdec.proposer")
@@ -63,6 +64,8 @@ class ProposerInfo:
                 if self.target_hidden_size
                 else proposer_pb2.FEATURE_DTYPE_UNSPECIFIED
             ),
+            host_id=host_id(),  # so that a verifier sharing these cores does not have it follow plain sequences
+            cpus=sorted(cpu_set()),
         )
 
 

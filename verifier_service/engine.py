@@ -445,8 +445,10 @@ class Engine:
         catching up on all of it in the first draft round. A drafter that can be told without waiting
         (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
         k tokens at a time, so that a later probe carries no stale catch-up (no more than a drafting step may
-        commit). Returns (drafts, whether the call carried a catch-up: a prompt, or more than one step's tokens:
-        its time is not what a drafting round costs)."""
+        commit), unless it says not to (`follows_plain`: a proposer sharing this verifier's CPU cores, where that
+        work slows every plain step; a draft request then carries the catch-up). Returns (drafts, whether the
+        call carried a catch-up: a prompt, or more than one step's tokens: its time is not what a drafting round
+        costs)."""
         if self.drafter is None:
             return {}, False
         early, self._early = self._early, None
@@ -454,6 +456,7 @@ class Engine:
         # clients it took ~20% of a core at plain steps, beside a verifier that wants both), and a probe then
         # still carries at most what one step commits, so it counts as a drafting round.
         follow_every = max(1, self.config.num_speculative_tokens)
+        follows = hasattr(self.drafter, "notify") and getattr(self.drafter, "follows_plain", True)
         drafting, following, asked_early = [], [], []
         for s in batch:
             seq = s.seq
@@ -462,7 +465,7 @@ class Engine:
                 asked_early.append(s)
             elif (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
                 drafting.append((s, self._draft_request(s, committed)))
-            elif s.samples and committed - seq.num_sent_to_proposer >= follow_every and hasattr(self.drafter, "notify"):
+            elif s.samples and committed - seq.num_sent_to_proposer >= follow_every and follows:
                 following.append(self._draft_request(s, committed))
         if following:
             self.drafter.notify(following)  # type: ignore[attr-defined]

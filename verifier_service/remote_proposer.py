@@ -29,6 +29,7 @@ from shared.draft_codec import DEFAULT_MAX_DRAFT_SUPPORT, unpack_draft
 from shared.drafting import Draft, DraftRequest
 from shared.feature_codec import features_to_proto
 from shared.grpc_server import CHANNEL_OPTIONS
+from shared.placement import shares_cores
 from shared.proto_convert import sampling_params_to_proto
 from shared.proto_gen.specdec.v1 import proposer_pb2, proposer_pb2_grpc
 from shared.telemetry import inject_context
@@ -98,6 +99,7 @@ class RemoteProposer:
         tls: ClientTLS | None = None,
         max_draft_support: int = DEFAULT_MAX_DRAFT_SUPPORT,
         max_tree_nodes: int = 0,
+        target_on_cpu: bool = True,
     ) -> None:
         if not addresses:
             raise ValueError("RemoteProposer needs at least one address")
@@ -118,6 +120,10 @@ class RemoteProposer:
         self.reconnect_max_s = reconnect_max_s
         self.tls = tls  # read at each connection: a reconnect presents a rotated client certificate
         self.max_tree_nodes = max_tree_nodes  # stated at the handshake; each sequence's bound travels with it
+        self.target_on_cpu = target_on_cpu
+        # Whether the engine has the proposer follow sequences that decode with k = 0 (`notify`): not where the
+        # proposer shares this verifier's CPU cores (shared/placement.py), set at each handshake.
+        self.follows_plain = True
         self.info: proposer_pb2.GetInfoResponse | None = None
         self.address: str | None = None  # the proposer in use
         # counters (read by stats)
@@ -208,6 +214,8 @@ class RemoteProposer:
             self.needs_target_features = self.needs_target_features or info.needs_target_features
             if info.needs_target_features:
                 self.feature_layers = requested_layers(info)
+            shared_cores = self.target_on_cpu and shares_cores(info.host_id, info.cpus)
+            self.follows_plain = not shared_cores
             call = stub.Propose()
             self._pending = {}
             self._write_lock = asyncio.Lock()
@@ -221,12 +229,16 @@ class RemoteProposer:
             self.connections += 1
             call.add_done_callback(lambda c: self._drop(c, "stream ended"))
             log.info(
-                "proposer connected address=%s kind=%s model=%s vocab_size=%d max_k=%d",
+                "proposer connected address=%s kind=%s model=%s vocab_size=%d max_k=%d shares_cores=%s%s",
                 address,
                 proposer_pb2.ProposerKind.Name(info.kind),
                 info.model,
                 info.vocab_size,
                 info.max_k,
+                shared_cores,
+                " (sequences decoding with k = 0 are not followed: a draft request carries their catch-up)"
+                if shared_cores
+                else "",
             )
             up_since = time.monotonic()
             await self._lost.wait()

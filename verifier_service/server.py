@@ -402,6 +402,7 @@ def remote_proposer(
     `tokenizer_fingerprint`: the target's (None: read from its tokenizer.json)."""
     if not config.proposer or config.num_speculative_tokens <= 0:
         return None
+    from shared.model.info import resolve_device
     from shared.model.info import tokenizer_fingerprint as fingerprint_of
 
     if tokenizer_fingerprint is None:
@@ -417,6 +418,7 @@ def remote_proposer(
         tls=config.client_tls(config.tls_server_name),
         max_draft_support=config.max_draft_support,
         max_tree_nodes=config.max_tree_nodes,
+        target_on_cpu=resolve_device(config.device) == "cpu",
     )
 
 

@@ -355,6 +355,62 @@ def test_stale_garbage_and_late_drafts_never_change_the_output():
     run(body())
 
 
+class PlacedProposer(FakeProposer):
+    """States where it runs (host id, cores) and records every sequence it is sent; drafts nothing."""
+
+    def __init__(self, host: str, cpus: list[int]) -> None:
+        super().__init__()
+        self.host, self.cpus = host, cpus
+        self.sent: list[int] = []  # new tokens per sequence message
+
+    async def GetInfo(self, request, context):
+        info = await super().GetInfo(request, context)
+        info.host_id, info.cpus[:] = self.host, self.cpus
+        return info
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.sent += [len(s.new_token_ids) for s in req.sequences]
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id)
+
+
+def test_a_proposer_sharing_the_verifiers_cores_does_not_follow_plain_sequences():
+    """Co-located on a CPU host, what the proposer does beside the verifier's forward slows it: a verifier whose
+    proposer states this machine and overlapping cores does not send it the sequences that decode with k = 0
+    (a later draft request carries the catch-up); one on other cores, or another machine, follows them k
+    tokens at a time as before. The output is the target's either way."""
+    from shared.placement import cpu_set, host_id
+
+    mine = sorted(cpu_set())
+    elsewhere = [("other-machine", mine), ("", mine)]
+    if mine:
+        elsewhere.append((host_id(), [max(mine) + 1]))  # this machine, other cores (taskset)
+
+    async def followed(host: str, cpus: list[int]) -> tuple[bool, list[int]]:
+        fake = PlacedProposer(host, cpus)
+        fake_server, port = await start_fake(fake)
+        verifier = await start_verifier([f"127.0.0.1:{port}"], num_speculative_tokens=4)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                tokens, _ = await collect(stub, request(PROMPTS[1], 21, max_draft_tokens=0))
+                assert tokens == reference(tuple(PROMPTS[1]), 21)
+            assert verifier.proposer is not None
+            return verifier.proposer.follows_plain, fake.sent
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    async def body():
+        follows, sent = await followed(host_id(), mine)
+        assert not follows and sent == []
+        for host, cpus in elsewhere:
+            follows, sent = await followed(host, cpus)
+            assert follows and len(sent) >= 21 // 4 and all(n == 4 for n in sent[1:]), (host, cpus, sent)
+
+    run(body())
+
+
 def test_a_proposer_with_another_vocabulary_is_refused():
     async def body():
         fake_server, port = await start_fake(FakeProposer(vocab_size=VOCAB * 2))

@@ -128,7 +128,7 @@ class GetInfoRequest(_message.Message):
     def __init__(self, max_tree_nodes: _Optional[int] = ..., max_draft_support: _Optional[int] = ...) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype", "target_feature_layers")
+    __slots__ = ("kind", "model", "vocab_size", "tokenizer_fingerprint", "max_k", "max_model_len", "needs_target_features", "target_hidden_size", "feature_dtype", "target_feature_layers", "host_id", "cpus")
     KIND_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,8 @@ class GetInfoResponse(_message.Message):
     TARGET_HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
     FEATURE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     TARGET_FEATURE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    HOST_ID_FIELD_NUMBER: _ClassVar[int]
+    CPUS_FIELD_NUMBER: _ClassVar[int]
     kind: ProposerKind
     model: str
     vocab_size: int
@@ -149,4 +151,6 @@ class GetInfoResponse(_message.Message):
     target_hidden_size: int
     feature_dtype: FeatureDtype
     target_feature_layers: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., needs_target_features: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., feature_dtype: _Optional[_Union[FeatureDtype, str]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ...) -> None: ...
+    host_id: str
+    cpus: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, kind: _Optional[_Union[ProposerKind, str]] = ..., model: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., max_k: _Optional[int] = ..., max_model_len: _Optional[int] = ..., needs_target_features: _Optional[bool] = ..., target_hidden_size: _Optional[int] = ..., feature_dtype: _Optional[_Union[FeatureDtype, str]] = ..., target_feature_layers: _Optional[_Iterable[int]] = ..., host_id: _Optional[str] = ..., cpus: _Optional[_Iterable[int]] = ...) -> None: ...
