@@ -1,10 +1,14 @@
 """The verifier's own scoring times, measured before it serves: the speculation policy (spec_policy.py) starts
 from them instead of guessing, and keeps updating them from every decode step.
 
-For each batch size (powers of two, and max_num_seqs) and draft length (0, 1, 2, 4 up to the engine's k) the
-target scores that many tokens per sequence after a CONTEXT-token history, as a decode step does; the median of
-a few repetitions goes to the policy. It takes about two seconds for the default target on two CPU cores, on
-blocks borrowed from the free KV cache and returned at once.
+For each batch size (powers of two, and max_num_seqs) and number of draft tokens in all, from none to MAX_DRAFT
+per sequence (at most the engine's k), the target scores them after a CONTEXT-token history, as a decode step
+does, spread evenly over the sequences; the median of the repetitions goes to the policy. The totals lie half a
+batch apart (every row up to batch 2): the scoring time can rise in steps of a block of rows (bf16 products on
+this project's CPUs: blocks of 16, at batch 8 35-39 ms up to 16 rows, 59-67 ms from 18), and the policy sees
+where a step ends only where it measured. It takes 4-6 seconds for the default target at max_num_seqs 8 on
+two CPU cores (32 shapes; 16 before, when it measured 0, 1, 2 and 4 drafts a sequence), on blocks borrowed from
+the free KV cache and returned at once.
 """
 
 from __future__ import annotations
@@ -15,19 +19,19 @@ import time
 from shared.model.runner import ForwardItem
 
 CONTEXT = 128  # tokens of history per sequence: a short chat turn
-DRAFTS = (0, 1, 2, 4)
-REPS = 3  # timed forwards per shape; the first of them warms the shape and is dropped
+MAX_DRAFT = 4  # draft tokens per sequence measured at most; beyond, the policy extends the last measured slope
+REPS = 2  # timed forwards per shape (a first forward at a new shape took no longer than the next ones)
 
 
 def calibrate(engine) -> None:
     config, blocks, runner = engine.config, engine.blocks, engine.runner
-    drafts = [k for k in DRAFTS if k <= config.num_speculative_tokens]
-    if len(drafts) < 2:
+    max_draft = min(MAX_DRAFT, config.num_speculative_tokens)
+    if max_draft < 1:
         return  # nothing to compare: the engine never drafts
-    context = min(CONTEXT, config.max_model_len - max(drafts) - 1)
+    context = min(CONTEXT, config.max_model_len - max_draft - 1)
     batches = sorted({min(2**i, config.max_num_seqs) for i in range(config.max_num_seqs.bit_length() + 1)})
     seqs = [f"calibration-{i}" for i in range(batches[-1])]
-    needed = context + max(drafts) + 1
+    needed = context + max_draft + 1
     if any(not blocks.can_reserve(seq, needed * len(seqs)) for seq in seqs[:1]):
         return  # a cache too small to spare: learn online only
     tables = []
@@ -39,14 +43,18 @@ def calibrate(engine) -> None:
         for table in tables:  # one sequence at a time: no large prefill buffer
             runner.forward([ForwardItem(table, 0, history, 0)])
         for batch in batches:
-            for k in drafts:
-                items = [ForwardItem(table, context, history[: k + 1], k + 1) for table in tables[:batch]]
+            for drafted in range(0, batch * max_draft + 1, max(1, batch // 2)):
+                per_seq = [drafted // batch + (i < drafted % batch) for i in range(batch)]
+                items = [
+                    ForwardItem(table, context, history[: k + 1], k + 1)
+                    for table, k in zip(tables[:batch], per_seq, strict=True)
+                ]
                 seconds = []
                 for _ in range(REPS):
                     start = time.perf_counter()
                     runner.forward(items)
                     seconds.append(time.perf_counter() - start)
-                engine.scheduler.policy.record_calibration(batch, batch * (k + 1), statistics.median(seconds[1:]))
+                engine.scheduler.policy.record_calibration(batch, batch + drafted, statistics.median(seconds))
     finally:
         for seq in seqs:
             blocks.free(seq)

@@ -10,7 +10,8 @@ A step's throughput is its emitted tokens over its time, and the policy maximise
                                             proposer's work beside the verifier), measured start to start
 
 Both times are the verifier's own measurements (`StepTimes`): scoring per batch size and query tokens (timed at
-warm-up, then from every decode step), the propose call per batch size and draft depth, a per-call cost (round
+warm-up, then from every decode step; a curve through the measured sizes, not a line: products run in blocks
+of rows, and the time can rise in steps), the propose call per batch size and draft depth, a per-call cost (round
 trip, catch-up) plus a per-position cost, fitted apart for chains and trees (a drafting-ahead proposer's cache
 hits cost what they took: about a round trip). Calls that carried a long catch-up (a prompt, a resend) are left
 out: they are not what the next call costs. The rest of a step is the time from its start to the next step's
@@ -21,12 +22,15 @@ drafting one, against a 100-180 ms step: small, but where drafting is predicted 
 Until a cost is measured it is taken as free (a drafting step's rest as a plain one's), so the policy drafts,
 measures, and corrects.
 
-For each D (0 = plain decoding) the best k_s <= D follows from Dinkelbach's iteration on the throughput lambda:
-a sequence drafts position j while its chance of reaching and passing it (a^j) is worth the marginal scoring
-time at the current throughput (a^j >= lambda * per-token time), or its tree while the tree's gain beats the
-chain's by its extra nodes' time; the best D wins, and D = 0 whenever drafting would be slower than plain
-decoding (Leviathan et al. 2023 give the chain's expectation; the scoring and call costs are what a CPU and a
-remote proposer add to it). Only plans that slow no sequence below FAIR_SHARE of its plain rate compete: one
+For each D (0 = plain decoding) and each number n of draft tokens in all, the chains k_s <= D with the most
+expected tokens take the n likeliest positions (a sequence's position j is reached and passed with probability
+a^j); the time depends only on n and D, so the fastest (n, D) per token is the best chain plan under any scoring
+curve. Where trees may be drafted, Dinkelbach's iteration on the throughput lambda also runs: a sequence drafts
+position j while a^j is worth the marginal scoring time at the current throughput (a^j >= lambda * per-token
+time, the line's slope), or its tree while the tree's gain beats the chain's by its extra nodes' time, and the
+faster plan counts. The best D wins, and D = 0 whenever drafting would be slower than plain decoding
+(Leviathan et al. 2023 give the chain's expectation; the scoring and call costs are what a CPU and a remote
+proposer add to it). Only plans that slow no sequence below FAIR_SHARE of its plain rate compete: one
 forward serves the batch, and a request the drafter serves badly must not pay for the others' drafts. A sequence
 kept at k = 0 learns nothing about its acceptance, and a plan kept at one size measures no slope: see `plan` for
 the probes that keep both learning. A sequence's first tested positions move its estimate as a running mean would
@@ -37,6 +41,7 @@ agnostic 0.5: a request arriving where drafts are mostly rejected does not probe
 
 from __future__ import annotations
 
+import bisect
 import logging
 import statistics
 from collections import deque
@@ -105,8 +110,14 @@ class StepTimes:
     compare with them where both exist: a warm-up timed on a busy machine (the other services starting beside
     it) keeps its shape but not its level, so the sizes serving never tries do not stay as dear as they were."""
 
-    def __init__(self, window: int = 16, scales_with_batch: bool = True) -> None:
+    def __init__(self, window: int = 16, scales_with_batch: bool = True, stepwise: bool = False) -> None:
         self.window = window
+        # A cost that rises in steps (`stepwise`: the target's scoring, its products computed in blocks of rows):
+        # a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
+        # (isotonic), not from one line through them all. With bf16 weights on this project's CPUs, at batch 8
+        # 8 to 16 rows took 35-39 ms, 18 to 32 rows 59-67 ms, 34 to 48 rows 83-88 ms: a line through 8, 16, 24
+        # and 40 rows put 16 at 45 ms and 24 at 58, so the plan that fills 16 rows (k = 1 for all) looked dear.
+        self.stepwise = stepwise
         # A batch size measured nowhere: the nearest one's line, scaled by the batch ratio when larger (a target
         # step), or as it is (a propose call: one batched forward, its cost far from linear in the batch; a
         # guess on the cheap side drafts, is measured and corrects, one on the dear side is never tried).
@@ -114,23 +125,48 @@ class StepTimes:
         self.samples: dict[int, dict[int, deque[float]]] = {}
         self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
         self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
+        self._steps: dict[int, list[tuple[int, float]]] = {}  # batch -> isotonic (size, seconds), cached likewise
 
     def calibrate(self, batch: int, size: int, seconds: float) -> None:
         if seconds > 0:
             self.calibrated.setdefault(batch, {})[size] = seconds
-            self._lines.pop(batch, None)
+            self._forget(batch)
 
     def add(self, batch: int, size: int, seconds: float) -> None:
         if seconds <= 0:
             return
         sizes = self.samples.setdefault(batch, {})
         sizes.setdefault(size, deque(maxlen=self.window)).append(seconds)
+        self._forget(batch)
+
+    def _forget(self, batch: int) -> None:
         self._lines.pop(batch, None)
+        self._steps.pop(batch, None)
 
     def estimate(self, batch: int, size: int) -> float | None:
         """The expected time, or None when nothing is known at this batch size."""
         line = self.line(batch)
-        return None if line is None else max(0.0, line[0] + line[1] * size)
+        if line is None:
+            return None
+        if self.stepwise:
+            if batch not in self._steps:
+                self._steps[batch] = _isotonic(self._points(batch))
+            if len(self._steps[batch]) >= 2:
+                return self._step_estimate(self._steps[batch], size, line[1])
+        return max(0.0, line[0] + line[1] * size)
+
+    @staticmethod
+    def _step_estimate(steps: list[tuple[int, float]], size: int, slope: float) -> float:
+        """Between the measured sizes (isotonic fit), a straight line from one to the next; outside them, the
+        nearest one's time and the line's slope. Between two sizes a step may hide (the warm-up measures them
+        close together where it matters); a guess on the cheap side is tried, measured and corrected, one on the
+        dear side is never tried."""
+        index = bisect.bisect_left(steps, (size, -1.0))
+        if index == len(steps) or index == 0:
+            nearest_size, seconds = steps[min(index, len(steps) - 1)]
+            return max(0.0, seconds + slope * (size - nearest_size))
+        (lower_size, lower), (upper_size, upper) = steps[index - 1], steps[index]
+        return lower + (upper - lower) * (size - lower_size) / (upper_size - lower_size)
 
     def has_slope(self, batch: int) -> bool:
         """Measured at two sizes or more at this batch size."""
@@ -173,6 +209,23 @@ def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
+def _isotonic(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
+    """(size, seconds) by size, made non-decreasing by pooling adjacent violators (weighted by their counts): a
+    noisy point between two sizes does not make a larger size look cheaper than a smaller one."""
+    blocks: list[list[float]] = []  # [seconds, weight, number of sizes pooled]
+    ordered = sorted(points)
+    for _, seconds, weight in ordered:
+        blocks.append([seconds, float(weight), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            top = blocks.pop()
+            below = blocks[-1]
+            total = below[1] + top[1]
+            below[0] = (below[0] * below[1] + top[0] * top[1]) / total
+            below[1], below[2] = total, below[2] + top[2]
+    values = [seconds for seconds, _, count in blocks for _ in range(int(count))]
+    return [(size, value) for (size, _, _), value in zip(ordered, values, strict=True)]
+
+
 def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
     total = sum(w for _, _, w in points)
     mean_x = sum(x * w for x, _, w in points) / total
@@ -191,13 +244,14 @@ class Plan:
 @dataclass
 class SpecPolicy:
     max_tree_nodes: int = 0  # 0: chains only
-    scoring: StepTimes = field(default_factory=StepTimes)  # batch -> query tokens -> target step seconds
+    scoring: StepTimes = field(default_factory=lambda: StepTimes(stepwise=True))  # batch -> query tokens -> seconds
     propose_chain: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> depth
     propose_tree: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # -> call seconds
     # The rest of a step: plain ones (depth 0) apart from drafting ones, a line over depth like a propose call's
     rest_plain: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> 0 -> seconds
     rest_drafting: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> depth
     _probes: int = 0
+    _times: dict[tuple[int, int, int, bool], float] = field(default_factory=dict)  # _time's, within one plan()
     _plain_steps: int = 0  # steps at plain decoding since the last probe
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
@@ -228,6 +282,7 @@ class SpecPolicy:
         drafter that got better, or an estimate that dipped by chance, is noticed soonest where it matters most:
         near the break-even. `vary` (every probe_interval steps): a drafting plan drafts one token more or less, in
         turn, so that each cost is measured at more than one size and has a slope."""
+        self._times.clear()  # the costs may have been measured since the last plan
         batch = len(seqs)
         plain = [Plan(0)] * batch
         plain_rate = self._rate(plain, seqs)
@@ -335,6 +390,13 @@ class SpecPolicy:
         ]
 
     def _plan_at(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> tuple[list[Plan], float]:
+        """The best plan at most `depth` deep: the best filled chain plan, or where trees may be drafted
+        Dinkelbach's (each draft token at the line's marginal price, a tree where it pays) if that is faster. For
+        chains the filled plan is never slower: it has the most expected tokens for its number of draft tokens."""
+        filled = self._filled(depth, seqs)
+        filled_rate = self._rate(filled, seqs) if filled is not None else 0.0
+        if not self.max_tree_nodes and filled is not None:
+            return filled, filled_rate
         batch = len(seqs)
         per_token = self.scoring.slope(batch)
         rate = self._rate([Plan(0)] * batch, seqs)
@@ -344,7 +406,30 @@ class SpecPolicy:
             if not any(p.k for p in plans):
                 break
             rate = self._rate(plans, seqs)
-        return plans, rate
+        return (filled, filled_rate) if filled is not None and filled_rate > rate else (plans, rate)
+
+    def _filled(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan] | None:
+        """Of the chain plans drafting n tokens in all, the one with the most expected tokens takes the n likeliest
+        positions among every sequence's first `depth` (position j of a sequence is reached with probability
+        alpha^j, so each sequence's are taken in order); the n whose step is fastest per token wins. Where the
+        scoring time rises in steps, filling the rows a step costs anyway is what pays, and a marginal price
+        per token (a line's slope) cannot see it."""
+        batch = len(seqs)
+        values = sorted(
+            ((acc.alpha**j, i) for i, (acc, k_max) in enumerate(seqs) for j in range(1, min(depth, k_max) + 1)),
+            reverse=True,
+        )
+        ks, tokens, deepest = [0] * batch, float(batch), 0
+        best, best_rate = None, 0.0
+        for n, (value, i) in enumerate(values, start=1):
+            ks[i] += 1
+            tokens += value
+            deepest = max(deepest, ks[i])
+            seconds = (self.scoring.estimate(batch, batch + n) or 0.0) + self._calls(batch, deepest, tree=False)
+            rate = tokens / seconds if seconds > 0 else tokens
+            if rate > best_rate:
+                best, best_rate = list(ks), rate
+        return None if best is None else [Plan(k) for k in best]
 
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
@@ -374,12 +459,19 @@ class SpecPolicy:
         """A plan's expected step time: scoring, the propose call and the rest of the step (0 where not measured
         yet)."""
         batch = len(plans)
-        seconds = self.scoring.estimate(batch, batch + sum(p.tree_nodes or p.k for p in plans)) or 0.0
-        depth = max((p.k for p in plans), default=0)
-        seconds += self._rest(batch, depth) or 0.0
+        drafted = sum(p.tree_nodes or p.k for p in plans)
+        depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
+        seconds = self._times.get((batch, drafted, depth, tree))
+        if seconds is None:
+            seconds = (self.scoring.estimate(batch, batch + drafted) or 0.0) + self._calls(batch, depth, tree)
+            self._times[batch, drafted, depth, tree] = seconds
+        return seconds
+
+    def _calls(self, batch: int, depth: int, tree: bool) -> float:
+        """A step's time beyond scoring: the rest, and the propose call when it drafts (0 where not measured)."""
+        seconds = self._rest(batch, depth) or 0.0
         if depth:
-            calls = self.propose_tree if any(p.tree_nodes for p in plans) else self.propose_chain
-            seconds += calls.estimate(batch, depth) or 0.0
+            seconds += (self.propose_tree if tree else self.propose_chain).estimate(batch, depth) or 0.0
         return seconds
 
     def record_step(self, batch: int, query_tokens: int, seconds: float) -> None:

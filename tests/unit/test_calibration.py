@@ -9,14 +9,14 @@ from tests.tiny import ours, tiny_hf_model
 from verifier_service.engine import EngineConfig
 
 
-def test_warm_up_measures_scoring_times_per_batch_size_and_draft_length():
+def test_warm_up_measures_scoring_times_per_batch_size_and_number_of_draft_tokens():
     target = ours(tiny_hf_model(seed=1))
     config = EngineConfig(num_speculative_tokens=4, max_num_seqs=6, max_model_len=256)
     engine = build_engine(target, "ngram", config, CacheConfig(block_size=8))
     engine.warm_up()
     scoring = engine.scheduler.policy.scoring
-    for batch in (1, 2, 4, 6):
-        assert {batch * (k + 1) for k in (0, 1, 2, 4)} <= set(scoring.calibrated[batch])
+    for batch in (1, 2, 4, 6):  # every total of draft tokens up to 4 a sequence, half a batch apart
+        assert set(scoring.calibrated[batch]) == set(range(batch, 5 * batch + 1, max(1, batch // 2)))
         assert scoring.has_slope(batch) and scoring.estimate(batch, batch) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert engine.stats.steps == 0  # the counters start from zero after the warm-up
