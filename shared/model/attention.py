@@ -101,14 +101,18 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.query_lens)
 
-    def grouped_mask(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def grouped_mask(self, group: int, dtype: torch.dtype, padding: int = 0) -> torch.Tensor:
         """attn_mask as SDPA's additive mask in the queries' dtype (0 attend, -inf not), every query row repeated
-        for the `group` query heads stacked on one KV head: [B, 1, group * max_query_len, L]. Built on the first
-        layer's call and reused by the others; given the bool mask, SDPA converted it in every call (what it
-        builds is this tensor: the same output to the bit, 10-20 us a layer saved at batch 8)."""
+        for the `group` query heads stacked on one KV head, then `padding` rows that attend key 0 only:
+        [B, 1, group * max_query_len + padding, L]. Built on the first layer's call and reused by the others;
+        given the bool mask, SDPA converted it in every call (what it builds is this tensor: the same output to
+        the bit, 10-20 us a layer saved at batch 8)."""
         mask = self._grouped_masks.get((group, dtype))
         if mask is None:
             attend = self.attn_mask if group == 1 else self.attn_mask.repeat(1, 1, group, 1)
+            if padding:
+                pad = torch.zeros(*attend.shape[:2], padding, attend.shape[3], dtype=torch.bool, device=attend.device)
+                attend = torch.cat([attend, pad.index_fill_(3, torch.tensor([0], device=attend.device), True)], 2)
             mask = torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, float("-inf"))
             self._grouped_masks[(group, dtype)] = mask
         return mask
@@ -252,6 +256,16 @@ def _unpad(x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:  # [B, Qma
     return flat if meta.query_pad_index is None else flat[meta.query_pad_index]
 
 
+# SDPA's products on the CPU (MKL's fp32 sgemm there) computed a query row with other kernels, or in another
+# order, depending on how many rows shared the call: on an AMD EPYC (Zen 4) a row's output differed in the last
+# bits between calls of 1-3, 5-7, 9-11 or 33-35 rows and calls of 4, while every multiple of 4 up to 400 rows gave
+# each row what 4-row calls give (bf16: any count). Speculative greedy output is exact only if a position scored
+# among k + 1 rows gets the logits a one-token step gives it, so each KV head's query rows are padded to a
+# multiple of 4 (padding rows attend key 0 and are dropped): a decode step at 3 query heads per KV head computes
+# 4 rows instead of 3.
+ROW_MULTIPLE = 4
+
+
 class TorchPagedAttention:
     """Gather each sequence's blocks, then scaled_dot_product_attention with an explicit mask.
 
@@ -266,17 +280,21 @@ class TorchPagedAttention:
         batch, q_len = meta.num_seqs, meta.max_query_len
         kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         group = q.shape[1] // kv_heads  # query heads per KV head
+        rows = group * q_len
+        padding = -rows % ROW_MULTIPLE
         queries = _pad_queries(q, meta).view(batch, q_len, kv_heads, group, head_dim)
-        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, group * q_len, head_dim)
-        mask = meta.grouped_mask(group, q.dtype)  # [B, 1, group * Qmax, L]
+        queries = queries.permute(0, 2, 3, 1, 4).reshape(batch, kv_heads, rows, head_dim)
+        if padding:
+            queries = F.pad(queries, (0, 0, 0, padding))  # [B, kv_heads, rows + padding, D]
+        mask = meta.grouped_mask(group, q.dtype, padding)  # [B, 1, rows + padding, L]
         out = F.scaled_dot_product_attention(
             queries,
             _gather(k_cache, meta.block_tables),  # [B, kv_heads, L, D]
             _gather(v_cache, meta.block_tables),
             attn_mask=mask,
             scale=scale,
-        )  # [B, kv_heads, group * Qmax, D]
-        out = out.view(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)  # [B, Qmax, kv, group, D]
+        )  # [B, kv_heads, rows + padding, D]
+        out = out[:, :, :rows].reshape(batch, kv_heads, group, q_len, head_dim).permute(0, 3, 1, 2, 4)
         return _unpad(out.reshape(batch, q_len, kv_heads * group, head_dim), meta)
 
 

@@ -72,6 +72,14 @@ def test_small_steps_stay_one_call_and_cuda_keeps_short_queries_together():
     assert attention._attention_calls(spans, BLOCK, "cuda") == [list(range(40))]
 
 
+def _bool_mask(meta: attention.AttentionMetadata, group: int, dtype: torch.dtype, padding: int = 0) -> torch.Tensor:
+    """What grouped_mask stands for, as the bool mask SDPA would convert: padding rows attend key 0 only."""
+    attend = meta.attn_mask.repeat(1, 1, group, 1)
+    pad = torch.zeros(*attend.shape[:2], padding, attend.shape[3], dtype=torch.bool)
+    pad[..., 0] = True
+    return torch.cat([attend, pad], 2)
+
+
 def test_the_additive_mask_made_once_a_step_gives_what_the_bool_mask_gives_to_the_bit(monkeypatch):
     """SDPA given the bool mask converts it to this additive one in every call (every layer); made once a step it
     must change nothing: fully masked padding rows, decode rows, verify rows and a prefill chunk, fp32, bf16, fp16."""
@@ -88,10 +96,33 @@ def test_the_additive_mask_made_once_a_step_gives_what_the_bool_mask_gives_to_th
         args = (q.to(dtype), k_cache.to(dtype), v_cache.to(dtype))
         additive = paged_attention(backend, *args, build_metadata(spans, BLOCK), 0.125)
         with monkeypatch.context() as patch:
-            patch.setattr(
-                attention.AttentionMetadata,
-                "grouped_mask",
-                lambda self, group, dtype: self.attn_mask.repeat(1, 1, group, 1),
-            )
+            patch.setattr(attention.AttentionMetadata, "grouped_mask", _bool_mask)
             boolean = paged_attention(backend, *args, build_metadata(spans, BLOCK), 0.125)
         assert torch.equal(additive, boolean), dtype
+
+
+def test_a_query_gets_the_same_output_bit_for_bit_alone_and_among_any_number_of_query_rows():
+    """Speculative greedy output is exact only if a position scored among k + 1 rows (or tree nodes) gets what a
+    one-token step gives it. SDPA's fp32 products computed a row differently with the number of rows sharing the
+    call on some CPUs (an AMD EPYC: 1-3, 5-7, 9-11 rows against 4); each KV head's rows are padded to a multiple
+    of ROW_MULTIPLE. Every query length 1-16 at 1 and 3 query heads per KV head, its last query against the same
+    position alone (with ROW_MULTIPLE = 1 it fails on that EPYC at every length from 2 to 16, both group sizes)."""
+    gen = torch.Generator().manual_seed(5)
+    context = 40
+    spans, num_blocks = _spans([context], [1])
+    k_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, KV_HEADS, DIM, generator=gen)
+    backend = TorchPagedAttention()
+
+    def parted(group: int) -> list[int]:
+        q = torch.randn(16, KV_HEADS * group, DIM, generator=gen)
+        alone = paged_attention(backend, q[-1:], k_cache, v_cache, build_metadata(spans, BLOCK), 0.125)
+        differ = []
+        for n in range(1, 17):
+            span = SeqSpan(spans[0].block_table, context - n, n)
+            out = paged_attention(backend, q[-n:], k_cache, v_cache, build_metadata([span], BLOCK), 0.125)
+            if not torch.equal(out[-1:], alone):
+                differ.append(n)
+        return differ
+
+    assert parted(GROUP) == [] and parted(1) == []
