@@ -112,7 +112,7 @@ class StepTimes:
 
     def __init__(self, window: int = 16, scales_with_batch: bool = True, stepwise: bool = False) -> None:
         self.window = window
-        # A cost that rises in steps (`stepwise`: the target's scoring, its products computed in blocks of rows):
+        # A cost that rises in steps (`stepwise`: the target's scoring; bf16 products run 16 rows at a time):
         # a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
         # (isotonic), not from one line through them all. With bf16 weights on this project's CPUs, at batch 8
         # 8 to 16 rows took 35-39 ms, 18 to 32 rows 59-67 ms, 34 to 48 rows 83-88 ms: a line through 8, 16, 24
