@@ -393,8 +393,7 @@ class SpecPolicy:
         """The best plan at most `depth` deep: the best filled chain plan, or where trees may be drafted
         Dinkelbach's (each draft token at the line's marginal price, a tree where it pays) if that is faster. For
         chains the filled plan is never slower: it has the most expected tokens for its number of draft tokens."""
-        filled = self._filled(depth, seqs)
-        filled_rate = self._rate(filled, seqs) if filled is not None else 0.0
+        filled, filled_rate = self._filled(depth, seqs)
         if not self.max_tree_nodes and filled is not None:
             return filled, filled_rate
         batch = len(seqs)
@@ -408,12 +407,12 @@ class SpecPolicy:
             rate = self._rate(plans, seqs)
         return (filled, filled_rate) if filled is not None and filled_rate > rate else (plans, rate)
 
-    def _filled(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan] | None:
+    def _filled(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> tuple[list[Plan] | None, float]:
         """Of the chain plans drafting n tokens in all, the one with the most expected tokens takes the n likeliest
         positions among every sequence's first `depth` (position j of a sequence is reached with probability
-        alpha^j, so each sequence's are taken in order); the n whose step is fastest per token wins. Where the
-        scoring time rises in steps, filling the rows a step costs anyway is what pays, and a marginal price
-        per token (a line's slope) cannot see it."""
+        alpha^j, so each sequence's are taken in order); the n whose step is fastest per token wins (with its
+        rate; None where no sequence may draft). Where the scoring time rises in steps, filling the rows a step
+        costs anyway is what pays, and a marginal price per token (a line's slope) cannot see it."""
         batch = len(seqs)
         values = sorted(
             ((acc.alpha**j, i) for i, (acc, k_max) in enumerate(seqs) for j in range(1, min(depth, k_max) + 1)),
@@ -425,11 +424,11 @@ class SpecPolicy:
             ks[i] += 1
             tokens += value
             deepest = max(deepest, ks[i])
-            seconds = (self.scoring.estimate(batch, batch + n) or 0.0) + self._calls(batch, deepest, tree=False)
+            seconds = self._step_time(batch, n, deepest, tree=False)
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best_rate:
                 best, best_rate = list(ks), rate
-        return None if best is None else [Plan(k) for k in best]
+        return (None, 0.0) if best is None else ([Plan(k) for k in best], best_rate)
 
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
@@ -458,20 +457,20 @@ class SpecPolicy:
     def _time(self, plans: list[Plan]) -> float:
         """A plan's expected step time: scoring, the propose call and the rest of the step (0 where not measured
         yet)."""
-        batch = len(plans)
         drafted = sum(p.tree_nodes or p.k for p in plans)
         depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
-        seconds = self._times.get((batch, drafted, depth, tree))
-        if seconds is None:
-            seconds = (self.scoring.estimate(batch, batch + drafted) or 0.0) + self._calls(batch, depth, tree)
-            self._times[batch, drafted, depth, tree] = seconds
-        return seconds
+        return self._step_time(len(plans), drafted, depth, tree)
 
-    def _calls(self, batch: int, depth: int, tree: bool) -> float:
-        """A step's time beyond scoring: the rest, and the propose call when it drafts (0 where not measured)."""
-        seconds = self._rest(batch, depth) or 0.0
-        if depth:
-            seconds += (self.propose_tree if tree else self.propose_chain).estimate(batch, depth) or 0.0
+    def _step_time(self, batch: int, drafted: int, depth: int, tree: bool) -> float:
+        """A step of `drafted` draft tokens in all, `depth` deep: scoring, the rest, and the propose call when it
+        drafts (0 where not measured); kept for the rest of the plan."""
+        key = (batch, drafted, depth, tree)
+        seconds = self._times.get(key)
+        if seconds is None:
+            seconds = (self.scoring.estimate(batch, batch + drafted) or 0.0) + (self._rest(batch, depth) or 0.0)
+            if depth:
+                seconds += (self.propose_tree if tree else self.propose_chain).estimate(batch, depth) or 0.0
+            self._times[key] = seconds
         return seconds
 
     def record_step(self, batch: int, query_tokens: int, seconds: float) -> None:

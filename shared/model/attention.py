@@ -93,7 +93,7 @@ class AttentionMetadata:
     groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     has_tree: bool = False  # some query is a tree node: its mask is not causal (a causal-only kernel cannot run it)
     # init=False: a copy made with dataclasses.replace starts empty rather than with masks of another attn_mask
-    _grouped_masks: dict[tuple[int, torch.dtype], torch.Tensor] = field(
+    _grouped_masks: dict[tuple[int, torch.dtype, int], torch.Tensor] = field(
         default_factory=dict, init=False, compare=False, repr=False
     )
 
@@ -107,14 +107,14 @@ class AttentionMetadata:
         [B, 1, group * max_query_len + padding, L]. Built on the first layer's call and reused by the others;
         given the bool mask, SDPA converted it in every call (what it builds is this tensor: the same output to
         the bit, 10-20 us a layer saved at batch 8)."""
-        mask = self._grouped_masks.get((group, dtype))
+        mask = self._grouped_masks.get((group, dtype, padding))
         if mask is None:
             attend = self.attn_mask if group == 1 else self.attn_mask.repeat(1, 1, group, 1)
             if padding:
                 pad = torch.zeros(*attend.shape[:2], padding, attend.shape[3], dtype=torch.bool, device=attend.device)
                 attend = torch.cat([attend, pad.index_fill_(3, torch.tensor([0], device=attend.device), True)], 2)
             mask = torch.zeros(attend.shape, dtype=dtype, device=attend.device).masked_fill_(~attend, float("-inf"))
-            self._grouped_masks[(group, dtype)] = mask
+            self._grouped_masks[(group, dtype, padding)] = mask
         return mask
 
 
