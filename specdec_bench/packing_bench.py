@@ -5,7 +5,7 @@ alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown ta
 half kernels where the CPU has them, else fp32 copies of the weights, shared/model/parallel.py) to the same
 alternation; on a CPU whose bf16 oneDNN emulates (AVX-512 without BF16), bf16 packed in bf16 too, the layout
 the packing does not choose there; on one with bf16 instructions, the bf16-packed weights in one product call of
-any size beside the blocks of 16 rows that `linear` runs (parallel.HALF_BLOCK_ROWS).
+any size beside the blocks of 16 rows that `linear` runs with AMX (parallel.HALF_BLOCK_ROWS, bf16_in_blocks).
 
     python -m specdec_bench.packing_bench [--rounds 5] [--reps 5] [--dtypes float32,bfloat16]
 """
@@ -38,7 +38,7 @@ def emulated_bf16() -> bool:
     return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()) and not parallel.bf16_instructions()
 
 
-# With bf16 instructions `linear` runs bf16 products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS); this
+# With AMX `linear` runs bf16 products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS, bf16_in_blocks); this
 # row times the same weights in one call of any size, the layout that change left, to show what the blocks cost.
 ONE_CALL = "bf16 packed, one call of any size (not taken)"
 
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         if dtype == torch.bfloat16 and emulated_bf16():
             with mock.patch.object(parallel, "half_kernels", lambda d: d == torch.bfloat16):
                 models["bf16 packed in bf16 (oneDNN emulated)"] = build_model(arch, state, dtype)
-        if dtype == torch.bfloat16 and parallel.half_kernels(dtype):
+        if dtype == torch.bfloat16 and parallel.half_kernels(dtype) and parallel.bf16_in_blocks():
             models[ONE_CALL] = models["bf16 packed"]
     tokenizer = load_tokenizer(name)
     prompts = [chat_ids(tokenizer, p) for p in GENERAL_PROMPTS[:8]]

@@ -403,10 +403,11 @@ resolved to 0.125. Both engines compute bf16 products with fp32 accumulation; on
 (no AVX-512 BF16, AMX or AVX-NE-CONVERT) every bf16 product is conversions plus fp32 multiply-adds, so bf16 there
 buys memory, not speed (docs/engine.md, `--dtype`), except a lone row, which reads half the bytes: vLLM's one-row
 products take that, ours do not (there a row's result would depend on how many rows share the product). With bf16
-instructions (AMX) both run oneDNN's bf16 kernels; ours in blocks of exactly 16 rows, for the same reason
-(docs/engine.md). Our acceptance is the timed runs' at that batch size; vLLM's is from its own counters (accepted /
-drafted tokens), which count each process's whole life: the warm-up pass and both batch sizes, and which exist only
-with its stats on, so its draft rows run with them on (its offline default is off; the target-only rows keep it)."""
+instructions (AMX, AVX-512 BF16) both run oneDNN's bf16 kernels; ours with AMX in blocks of exactly 16 rows, for
+the same reason (docs/engine.md). Our acceptance is the timed runs' at that batch size; vLLM's is from its own
+counters (accepted / drafted tokens), which count each process's whole life: the warm-up pass and both batch sizes,
+and which exist only with its stats on, so its draft rows run with them on (its offline default is off; the
+target-only rows keep it)."""
 
 
 if __name__ == "__main__":

@@ -112,9 +112,9 @@ class StepTimes:
 
     def __init__(self, window: int = 16, scales_with_batch: bool = True, stepwise: bool = False) -> None:
         self.window = window
-        # A cost that rises in steps (`stepwise`: the target's scoring; bf16 products run 16 rows at a time):
-        # a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
-        # (isotonic), not from one line through them all. With bf16 weights on this project's CPUs, at batch 8
+        # A cost that rises in steps (`stepwise`: the target's scoring; bf16 products with AMX run 16 rows at a
+        # time): a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
+        # (isotonic), not from one line through them all. With bf16 weights in blocks of 16, at batch 8
         # 8 to 16 rows took 35-39 ms, 18 to 32 rows 59-67 ms, 34 to 48 rows 83-88 ms: a line through 8, 16, 24
         # and 40 rows put 16 at 45 ms and 24 at 58, so the plan that fills 16 rows (k = 1 for all) looked dear.
         self.stepwise = stepwise

@@ -75,7 +75,7 @@ _ONEDNN = torch.backends.mkldnn.is_available()
 # cost; layouts for 1, 5 and 16 rows were each slower at some of those counts. One row's result no longer
 # depends on how many rows share the product (the layout fixes the order each output is accumulated in).
 PACK_ROWS = 8
-# With bf16 instructions (AMX, AVX-512 BF16) oneDNN's bf16 kernel depends on the row count: it blocks the rows
+# With AMX oneDNN's bf16 kernel depends on the row count (where it must, `bf16_in_blocks`): it blocks the rows
 # and the inputs differently for a few, up to ~32, and more rows, and shape by shape a row came out different in
 # its last bit at 3-32 rows (the MLP's up projection), 1-32 (the LM head) or at almost any count (the down
 # projection, 1536 wide), so a one-token step and a speculative step's scored rows could part at a near-tie. At
@@ -88,6 +88,23 @@ PACK_ROWS = 8
 # again: 8 sequences scoring 5 tokens 70 against 49 ms (fp32 85), 264 rows (a prefill) 207 against 108 (fp32
 # 303). Blocks of 64 rows cost 38 ms at one row, 54 ms for those 40 rows.
 HALF_BLOCK_ROWS = 16
+
+
+@functools.cache  # asked once per product; the CPU does not change
+def bf16_in_blocks() -> bool:
+    """Whether bf16 products through bf16-packed weights run in blocks of HALF_BLOCK_ROWS rows: everywhere but
+    an x86 CPU with AVX-512 BF16 and no AMX. There (AMD EPYC, Zen 4, 2 threads and 1) a row's bf16 result was the
+    same in calls of every count from 2 to 4,096 rows and at every place in the call, on each of the target's
+    shapes, so those products run in one call, fewer than four rows given spare rows as in fp32
+    (MIN_PRODUCT_ROWS; 1,536-wide inputs summed a lone row in another order there too), and pay no padding to 16:
+    the target's 120 layer products took 14.7 / 13.5 / 20.7 / 28.4 ms for 1 / 8 / 24 / 40 rows in one call
+    against 19.0 / 17.4 / 37.1 / 43.4 in blocks of 16. Elsewhere the blocks stay: measured row-dependent with
+    AMX, not measured on AVX-NE-CONVERT or ARM's BF16."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    cpu = torch.cpu
+    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)()
+    return amx or not getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
 
 
 def half_kernels(dtype: torch.dtype) -> bool:
@@ -163,23 +180,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's products are 2-D already
             return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
         rows = x.contiguous()
-        if rows.dtype == weight.dtype == torch.bfloat16:
+        if rows.dtype == weight.dtype == torch.bfloat16 and bf16_in_blocks():
             return _bf16_in_blocks(rows, weight, bias)
-        lone = rows.shape[0] == 1
-        if lone:
-            # oneDNN multiplies one row with another kernel than several, and for inputs wider than ~1K (the
-            # MLP's down projection, 1536) it sums in another order: a one-token step's logits differed in the
-            # last bits from the same position scored among k + 1 rows. Two rows cost what one does here.
-            rows = rows.expand(2, -1)
+        num_rows = rows.shape[0]
+        if num_rows < MIN_PRODUCT_ROWS:
+            rows = _with_spare_rows(rows)
         if rows.dtype == weight.dtype:
             out = onednn_product(rows, weight, bias)
         else:
             fp32_bias = None if bias is None else bias.float()
             out = onednn_product(rows.float(), weight, fp32_bias).to(x.dtype)
-        return out[:1] if lone else out
+        return out[:num_rows] if num_rows < MIN_PRODUCT_ROWS else out
     if _ONEDNN and x.dim() == 2 and x.device.type == "cpu" and x.dtype == torch.float32:
         return onednn_product(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+# A product through a packed weight gets at least this many rows, the spare ones copies of the first (dropped).
+# oneDNN multiplies one row with another kernel than several, and for inputs wider than ~1K (the MLP's down
+# projection, 1536) it sums in another order: a one-token step's logits differed in the last bits from the same
+# position scored among k + 1 rows (Xeon, AMX; Zen 4 too, bf16). And on an AMD EPYC (Zen 4, 2 threads) two
+# or three rows cost more than four: the target's 120 layer products 24.3 / 20.5 / 18.9 ms at 2 / 3 / 4 rows in
+# fp32, 13.9 / 11.8 / 11.4 in bf16, the LM head 4.9 / 3.5 / 3.1 and 2.8 / 2.3 / 2.1 ms; on the Xeon two rows cost
+# what one did. Four rows make a one-token step at batch 1 or 2 what a step of four rows costs.
+MIN_PRODUCT_ROWS = 4
+
+
+def _with_spare_rows(rows: torch.Tensor) -> torch.Tensor:
+    """rows [n < MIN_PRODUCT_ROWS, in] -> [MIN_PRODUCT_ROWS, in], the first n rows first: a row's result does not
+    depend on the other rows of a product (tests/unit/test_packed_linear.py), so the spare rows repeat row 0."""
+    spare = rows[:1].expand(MIN_PRODUCT_ROWS - rows.shape[0], -1)
+    return torch.cat([rows, spare]) if rows.shape[0] > 1 else rows.expand(MIN_PRODUCT_ROWS, -1)
 
 
 def onednn_product(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

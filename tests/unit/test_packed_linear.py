@@ -40,12 +40,13 @@ def test_packed_product_equals_plain(shape):
 @pytest.mark.parametrize("shape", [(3072, 576), (960, 576), (576, 1536), (192, 1536)])
 def test_a_rows_result_does_not_depend_on_the_other_rows(shape):
     """The default target's shapes. With an input of 1536 (the MLP's down projection) oneDNN's one-row kernel
-    summed in another order than its kernel for several rows; `linear` gives a lone row a twin."""
+    summed in another order than its kernel for several rows; `linear` gives a product of fewer than four rows
+    spare rows (parallel.MIN_PRODUCT_ROWS)."""
     gen = torch.Generator().manual_seed(1)
     packed = pack_weight(torch.randn(*shape, generator=gen))
     x = torch.randn(40, shape[1], generator=gen)
     together = linear(x, packed)
-    for start, stop in ((0, 1), (0, 5), (3, 4), (7, 16), (11, 40)):
+    for start, stop in ((0, 1), (0, 2), (4, 7), (0, 5), (3, 4), (7, 16), (11, 40)):
         assert torch.equal(linear(x[start:stop], packed), together[start:stop]), (start, stop)
 
 
@@ -97,6 +98,29 @@ def test_bf16_counts_as_native_only_with_bf16_instructions(monkeypatch, machine,
     assert weight.is_mkldnn and weight.dtype == (torch.bfloat16 if expected else torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("machine", "avx512_bf16", "amx", "expected"),
+    [
+        ("x86_64", True, False, False),  # Zen 4, Cooper Lake: row-invariant in one call (measured on Zen 4)
+        ("x86_64", True, True, True),  # Sapphire Rapids: a row's bf16 result depended on the row count
+        ("x86_64", False, True, True),
+        ("x86_64", False, False, True),  # AVX-NE-CONVERT only: not measured, the blocks stay
+        ("aarch64", False, False, True),
+    ],
+)
+def test_bf16_products_run_in_blocks_except_with_avx512_bf16_and_no_amx(
+    monkeypatch, machine, avx512_bf16, amx, expected
+):
+    monkeypatch.setattr(parallel.platform, "machine", lambda: machine)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    parallel.bf16_in_blocks.cache_clear()
+    try:
+        assert parallel.bf16_in_blocks() is expected
+    finally:
+        parallel.bf16_in_blocks.cache_clear()
+
+
 def test_cpu_flags_are_read_from_this_machine():
     flags = parallel._cpu_flags()
     if parallel.Path("/proc/cpuinfo").exists() and parallel.platform.machine() == "x86_64":
@@ -127,24 +151,29 @@ def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
 
 @needs_onednn
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536)])
+@pytest.mark.parametrize("shape", [(3072, 576), (576, 1536), (960, 576)])
 def test_a_half_rows_result_does_not_depend_on_the_other_rows(dtype, shape, half_path):
     """On a Xeon with AMX, oneDNN's bf16 product in one call gave a row of the up projection another last bit at
     3-32 rows than at 1, 2 or 40, and rows of the down projection (1536 wide) at almost any count; `linear` runs
-    such products in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS)."""
+    such products there in blocks of a fixed row count (parallel.HALF_BLOCK_ROWS). With AVX-512 BF16 and no AMX
+    it runs them in one call (parallel.bf16_in_blocks): this test is what holds that CPU to row-invariance."""
     _half_or_skip(dtype, half_path)
     gen = torch.Generator().manual_seed(1)
     packed = pack_weight(torch.randn(*shape, generator=gen).to(dtype))
-    x = torch.randn(70, shape[1], generator=gen).to(dtype)
+    x = torch.randn(300, shape[1], generator=gen).to(dtype)
     together = linear(x, packed)
-    for start, stop in ((0, 1), (0, 2), (0, 5), (3, 4), (7, 16), (11, 40), (0, 33), (5, 70)):
+    spans = ((0, 1), (0, 2), (4, 7), (0, 5), (3, 4), (7, 16), (11, 40), (0, 33), (5, 70), (9, 74), (17, 290))
+    spans += ((299, 300),)
+    for start, stop in spans:
         assert torch.equal(linear(x[start:stop], packed), together[start:stop]), (start, stop)
 
 
 @pytest.mark.skipif(not half_kernels(torch.bfloat16), reason="this CPU has no bf16 instructions for oneDNN's kernels")
-def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_padding_gives():
+def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_padding_gives(monkeypatch):
     """`linear` pads a bf16 product's last block in a block kept per thread, whose spare rows hold an earlier
-    product's rows rather than zeros (parallel._padded_block). Without bf16 instructions nothing is padded."""
+    product's rows rather than zeros (parallel._padded_block). Without bf16 instructions nothing is padded; where
+    the products run in one call (parallel.bf16_in_blocks) the blocks are made to run here all the same."""
+    monkeypatch.setattr(parallel, "bf16_in_blocks", lambda: True)
     gen = torch.Generator().manual_seed(3)
     packed = pack_weight(torch.randn(576, 1536, generator=gen).bfloat16())
     earlier, x = torch.randn(15, 1536, generator=gen).bfloat16(), torch.randn(21, 1536, generator=gen).bfloat16()
