@@ -30,7 +30,9 @@ position j while a^j is worth the marginal scoring time at the current throughpu
 time, the line's slope), or its tree while the tree's gain beats the chain's by its extra nodes' time, and the
 faster plan counts. The best D wins, and D = 0 whenever drafting would be slower than plain decoding
 (Leviathan et al. 2023 give the chain's expectation; the scoring and call costs are what a CPU and a remote
-proposer add to it). Only plans that slow no sequence below FAIR_SHARE of its plain rate compete: one
+proposer add to it). Plain decoding is timed again before a drafting plan runs on a plain time more than
+FRESH_S seconds old: a shared machine's slow minute must not leave it looking dearer than it is. Only plans
+that slow no sequence below FAIR_SHARE of its plain rate compete: one
 forward serves the batch, and a request the drafter serves badly must not pay for the others' drafts. A sequence
 kept at k = 0 learns nothing about its acceptance, and a plan kept at one size measures no slope: see `plan` for
 the probes that keep both learning. A sequence's first tested positions move its estimate as a running mean would
@@ -44,7 +46,9 @@ from __future__ import annotations
 import bisect
 import logging
 import statistics
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
@@ -61,6 +65,13 @@ FAIR_SHARE = 0.97
 # policy's simulation (tests/unit/test_spec_policy.py) lost 2.1% to plain decoding, 1.1% from the population's.
 POPULATION_WEIGHT = 0.01
 MIN_POPULATION_POSITIONS = 20
+# A size measured within this many seconds is estimated from those times alone; older ones count only where none
+# is newer. And while a drafting plan is chosen, a plain step is run when plain decoding at the batch size was
+# last measured longer ago (at most one step in this many seconds): through the gateway at 8 clients (bf16 target,
+# Zen 4 host) plain steps measured during a slow minute (50-87 ms, against 36-44 ms in the target-only stack of
+# the same run) made plain decoding look 1.6x dearer than it was, and the policy drafted at 0.89-0.93x target-only
+# from then on without ever timing a plain step again.
+FRESH_S = 5.0
 
 log = logging.getLogger("specdec.policy")
 
@@ -103,15 +114,23 @@ class AcceptanceEstimate:
 
 class StepTimes:
     """Recent times (seconds) per batch size and size (query tokens, or draft depth), fitted per batch size as a
-    line through the medians (robust to the odd slow step); a batch size without a line of its own borrows the
-    slope of the nearest one that has.
+    line through the medians (robust to the odd slow step) of each size's times of the last FRESH_S seconds, or
+    all of its times where none is that recent; a batch size without a line of its own borrows the slope of the
+    nearest one that has.
 
     Times measured before serving (`calibrate`) fill the sizes not measured since, scaled by how the live times
     compare with them where both exist: a warm-up timed on a busy machine (the other services starting beside
     it) keeps its shape but not its level, so the sizes serving never tries do not stay as dear as they were."""
 
-    def __init__(self, window: int = 16, scales_with_batch: bool = True, stepwise: bool = False) -> None:
+    def __init__(
+        self,
+        window: int = 16,
+        scales_with_batch: bool = True,
+        stepwise: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.window = window
+        self.clock = clock
         # A cost that rises in steps (`stepwise`: the target's scoring; bf16 products with AMX run 16 rows at a
         # time): a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
         # (isotonic), not from one line through them all. With bf16 weights in blocks of 16, at batch 8
@@ -122,7 +141,7 @@ class StepTimes:
         # step), or as it is (a propose call: one batched forward, its cost far from linear in the batch; a
         # guess on the cheap side drafts, is measured and corrects, one on the dear side is never tried).
         self.scales_with_batch = scales_with_batch
-        self.samples: dict[int, dict[int, deque[float]]] = {}
+        self.samples: dict[int, dict[int, deque[tuple[float, float]]]] = {}  # batch -> size -> (when, seconds)
         self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
         self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
         self._steps: dict[int, list[tuple[int, float]]] = {}  # batch -> isotonic (size, seconds), cached likewise
@@ -136,8 +155,19 @@ class StepTimes:
         if seconds <= 0:
             return
         sizes = self.samples.setdefault(batch, {})
-        sizes.setdefault(size, deque(maxlen=self.window)).append(seconds)
+        sizes.setdefault(size, deque(maxlen=self.window)).append((self.clock(), seconds))
         self._forget(batch)
+
+    def stale(self, batch: int, size: int) -> bool:
+        """Measured live at this size, but not within FRESH_S seconds."""
+        times = self.samples.get(batch, {}).get(size)
+        return times is not None and len(times) > 0 and self.clock() - times[-1][0] > FRESH_S
+
+    def _median(self, times: deque[tuple[float, float]]) -> float:
+        """The median of the times measured within FRESH_S seconds, or of all where none is that recent."""
+        since = self.clock() - FRESH_S
+        fresh = [seconds for when, seconds in times if when >= since]
+        return statistics.median(fresh or [seconds for _, seconds in times])
 
     def _forget(self, batch: int) -> None:
         self._lines.pop(batch, None)
@@ -197,7 +227,7 @@ class StepTimes:
         return base * scale, slope
 
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
-        live = {size: (statistics.median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t}
+        live = {size: (self._median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t}
         warm_up = self.calibrated.get(batch, {})
         ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in live]
         scale = statistics.median(ratios) if ratios else 1.0
@@ -325,6 +355,9 @@ class SpecPolicy:
             probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
             return self._vary(probe, seqs) if vary else probe
         self._plain_steps = 0
+        batch = len(seqs)
+        if self.scoring.stale(batch, batch):  # the time drafting is judged against, measured again
+            return plain
         return self._vary(drafting, seqs) if vary else drafting
 
     def _probe_loss(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float) -> float:

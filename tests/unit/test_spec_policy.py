@@ -267,6 +267,35 @@ def test_a_step_rest_that_drafting_makes_dear_keeps_the_batch_plain():
     assert blind.rate < 0.95 * plain, (blind.rate, plain)
 
 
+@pytest.mark.parametrize("fresh_s", [spec_policy.FRESH_S, float("inf")], ids=["fresh", "all-times (control)"])
+def test_plain_steps_timed_in_a_slow_minute_are_timed_again(fresh_s, monkeypatch):
+    """Plain steps at batch 8 were timed 1.6x slower than they are (a slow minute of a shared machine), so
+    drafting k = 1 (in truth 9% slower than plain decoding here) looked faster. Minutes later the policy times a
+    plain step again before it drafts on that belief, and decodes plainly (within its probe budget); counting every
+    time however old (the negative control) it drafts on and loses."""
+    monkeypatch.setattr(spec_policy, "FRESH_S", fresh_s)
+    now = [0.0]
+    clock = lambda: now[0]  # noqa: E731
+    policy = SpecPolicy(
+        scoring=StepTimes(stepwise=True, clock=clock),
+        propose_chain=StepTimes(scales_with_batch=False, clock=clock),
+        rest_plain=StepTimes(scales_with_batch=False, clock=clock),
+        rest_drafting=StepTimes(scales_with_batch=False, clock=clock),
+    )
+    cost = COSTS["dear-scoring"]
+    alphas = [0.3] * 8
+    for _ in range(16):
+        policy.record_step(8, 8, 1.6 * cost.scoring(8, 8))
+    now[0] = 60.0
+    run, _ = simulate(alphas, cost, k_max=4, seed=6, policy=policy)
+    plain = true_rate([Plan(0)] * 8, alphas, cost)
+    assert true_rate([Plan(1)] * 8, alphas, cost) < 0.92 * plain  # what drafting costs here
+    if fresh_s < float("inf"):
+        assert run.rate >= 0.98 * plain, (run.rate, plain)
+    else:
+        assert run.rate < 0.95 * plain, (run.rate, plain)
+
+
 def test_the_plan_matches_brute_force_over_every_per_sequence_k_that_slows_none():
     cost = COSTS["cpu-eagle"]
     policy = SpecPolicy()
