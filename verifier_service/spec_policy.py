@@ -163,11 +163,12 @@ class StepTimes:
         times = self.samples.get(batch, {}).get(size)
         return times is not None and len(times) > 0 and self.clock() - times[-1][0] > FRESH_S
 
-    def _median(self, times: deque[tuple[float, float]]) -> float:
-        """The median of the times measured within FRESH_S seconds, or of all where none is that recent."""
+    def _median(self, times: deque[tuple[float, float]]) -> tuple[float, int]:
+        """The median of the times measured within FRESH_S seconds, or of all where none is that recent, and how
+        many it is the median of."""
         since = self.clock() - FRESH_S
-        fresh = [seconds for when, seconds in times if when >= since]
-        return statistics.median(fresh or [seconds for _, seconds in times])
+        used = [seconds for when, seconds in times if when >= since] or [seconds for _, seconds in times]
+        return statistics.median(used), len(used)
 
     def _forget(self, batch: int) -> None:
         self._lines.pop(batch, None)
@@ -227,7 +228,7 @@ class StepTimes:
         return base * scale, slope
 
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
-        live = {size: (self._median(t), len(t)) for size, t in self.samples.get(batch, {}).items() if t}
+        live = {size: self._median(t) for size, t in self.samples.get(batch, {}).items() if t}
         warm_up = self.calibrated.get(batch, {})
         ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in live]
         scale = statistics.median(ratios) if ratios else 1.0
@@ -283,6 +284,7 @@ class SpecPolicy:
     _probes: int = 0
     _times: dict[tuple[int, int, int, bool], float] = field(default_factory=dict)  # _time's, within one plan()
     _plain_steps: int = 0  # steps at plain decoding since the last probe
+    _plain_timed_at: dict[int, float] = field(default_factory=dict)  # batch -> when a plain step was run to time it
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
     population: dict[bool, AcceptanceEstimate] = field(default_factory=dict)
@@ -355,8 +357,11 @@ class SpecPolicy:
             probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
             return self._vary(probe, seqs) if vary else probe
         self._plain_steps = 0
-        batch = len(seqs)
-        if self.scoring.stale(batch, batch):  # the time drafting is judged against, measured again
+        batch, now = len(seqs), self.scoring.clock()
+        # The time drafting is judged against, measured again: at most once in FRESH_S seconds, even where the
+        # step then goes unmeasured (a prompt's chunk beside the decodes)
+        if self.scoring.stale(batch, batch) and now - self._plain_timed_at.get(batch, float("-inf")) > FRESH_S:
+            self._plain_timed_at[batch] = now
             return plain
         return self._vary(drafting, seqs) if vary else drafting
 

@@ -296,6 +296,23 @@ def test_plain_steps_timed_in_a_slow_minute_are_timed_again(fresh_s, monkeypatch
         assert run.rate < 0.95 * plain, (run.rate, plain)
 
 
+def test_a_plain_step_to_time_again_runs_at_most_once_in_fresh_s_seconds():
+    """Where the plain step then goes unmeasured (a prompt's chunk in the same step: no decode-only time), the
+    next plans draft rather than time plain decoding again at every step."""
+    now = [0.0]
+    policy = SpecPolicy(scoring=StepTimes(stepwise=True, clock=lambda: now[0]))
+    cost = COSTS["cpu-eagle"]
+    for query in (2, 4, 6, 10):
+        policy.record_step(2, query, cost.scoring(2, query))
+    seqs = [(AcceptanceEstimate(alpha=0.9, tested=1000), 4)] * 2
+    assert any(p.k for p in policy.plan(seqs))  # drafting pays, plain timed just now
+    now[0] = 10.0
+    assert not any(p.k for p in policy.plan(seqs))  # plain last timed 10 s ago: timed again first
+    assert all(any(p.k for p in policy.plan(seqs)) for _ in range(5))  # unmeasured, yet not again at once
+    now[0] = 10.0 + 2 * spec_policy.FRESH_S
+    assert not any(p.k for p in policy.plan(seqs))
+
+
 def test_the_plan_matches_brute_force_over_every_per_sequence_k_that_slows_none():
     cost = COSTS["cpu-eagle"]
     policy = SpecPolicy()
