@@ -100,11 +100,9 @@ def bf16_in_blocks() -> bool:
     the target's 120 layer products took 14.7 / 13.5 / 20.7 / 28.4 ms for 1 / 8 / 24 / 40 rows in one call
     against 19.0 / 17.4 / 37.1 / 43.4 in blocks of 16. Elsewhere the blocks stay: measured row-dependent with
     AMX, not measured on AVX-NE-CONVERT or ARM's BF16."""
-    if platform.machine().lower() not in ("x86_64", "amd64"):
+    if not _x86():
         return True
-    cpu = torch.cpu
-    amx = getattr(cpu, "_is_amx_tile_supported", lambda: False)()
-    return amx or not getattr(cpu, "_is_avx512_bf16_supported", lambda: False)()
+    return _torch_cpu_has("_is_amx_tile_supported") or not _torch_cpu_has("_is_avx512_bf16_supported")
 
 
 def half_kernels(dtype: torch.dtype) -> bool:
@@ -125,13 +123,20 @@ def bf16_instructions() -> bool:
     (one token a sequence), 1.37x / 2.03x scoring 5 tokens at batch 1 / 8 (Xeon, AVX-512 without BF16, 2 threads,
     `specdec_bench.packing_bench`), and a row's result depended on how many rows share the product. On x86 only
     AVX-512 BF16, AMX or AVX-NE-CONVERT count; elsewhere (ARM's BF16 extension) oneDNN's answer stands."""
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "x86"):
+    if not _x86():
         return True
-    cpu = torch.cpu
-    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
-    if any(getattr(cpu, name, lambda: False)() for name in probes):
+    if _torch_cpu_has("_is_avx512_bf16_supported") or _torch_cpu_has("_is_amx_tile_supported"):
         return True
     return "avx_ne_convert" in _cpu_flags()
+
+
+def _x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
+
+
+def _torch_cpu_has(probe: str) -> bool:
+    """torch.cpu's ISA probe by name; False where this torch lacks it."""
+    return bool(getattr(torch.cpu, probe, lambda: False)())
 
 
 @functools.cache  # asked once per weight at load; the CPU does not change
