@@ -127,6 +127,14 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig(
         "gt", f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes", "general", "eagle-adaptive-tree"
     ),
+    GwConfig(
+        "gts",
+        f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes, T={SAMPLED_T:g}",
+        "general",
+        "eagle-adaptive-tree",
+        SAMPLED_T,
+        "ts",
+    ),
     # the HTTP front end and logprobs, each against the gRPC draft-model row (their "× target" is "× d4")
     GwConfig("d4h", "draft model, k=4, HTTP/SSE (× d4)", "general", "draft", baseline="d4", front="http"),
     GwConfig("d4l", "draft model, k=4, logprobs top 5 (× d4)", "general", "draft", baseline="d4", logprobs=5),
@@ -135,7 +143,7 @@ CONFIGS: tuple[GwConfig, ...] = (
 )
 # Rows run again with a half-precision target when --dtype asks for it (key, label and stack get the suffix).
 HALF_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
-HALF_TWINS = ("t", "d4", "g4", "ga")
+HALF_TWINS = ("t", "d4", "g4", "ga", "ts", "gas", "gt", "gts")
 
 
 def _twin(cfg: GwConfig, dtype: str) -> GwConfig:
@@ -175,6 +183,7 @@ def _command(script: str, module: str) -> list[str]:
 def _service_env() -> dict[str, str]:
     keep = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
     keep.add("SPECDEC_LOG_LEVEL")  # e.g. DEBUG: the speculation policy's reasons, step by step
+    keep.add("SPECDEC_MKL_PRODUCTS")  # 0: oneDNN's fp32 products (an A/B of shared/model/mkl_product.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"

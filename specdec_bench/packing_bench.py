@@ -3,9 +3,11 @@ with q new tokens per sequence, batch 1 and 8, both models loaded from the same 
 alternation, medians of --rounds rounds of --reps forwards. Prints a Markdown table (docs/BENCHMARKS.md,
 "Packed weights"). --dtypes adds half-precision models (plain: torch's own bf16 / fp16 products; packed: oneDNN's
 half kernels where the CPU has them, else fp32 copies of the weights, shared/model/parallel.py) to the same
-alternation; on a CPU whose bf16 oneDNN emulates (AVX-512 without BF16), bf16 packed in bf16 too, the layout
-the packing does not choose there; on one with bf16 instructions, the bf16-packed weights in one product call of
-any size beside the blocks of 16 rows that `linear` runs with AMX (parallel.HALF_BLOCK_ROWS, bf16_in_blocks).
+alternation; on an Intel CPU, whose fp32 weights are packed for MKL's sgemm (shared/model/mkl_product.py), the
+same weights packed for oneDNN beside them; on a CPU whose bf16 oneDNN emulates (AVX-512 without BF16), bf16
+packed in bf16 too, the layout the packing does not choose there; on one with bf16 instructions, the bf16-packed
+weights in one product call of any size beside the blocks of 16 rows that `linear` runs with AMX
+(parallel.HALF_BLOCK_ROWS, bf16_in_blocks).
 
     python -m specdec_bench.packing_bench [--rounds 5] [--reps 5] [--dtypes float32,bfloat16]
 """
@@ -21,7 +23,7 @@ from unittest import mock
 import torch
 
 from shared.malloc_tuning import tune_malloc
-from shared.model import parallel
+from shared.model import mkl_product, parallel
 from shared.model.config import ModelArch
 from shared.model.loader import ModelSource, build_model, load_hf_config, load_state_dict, load_tokenizer
 from shared.settings import default_target_model
@@ -63,6 +65,9 @@ def main(argv: list[str] | None = None) -> int:
         short = {"float32": "", "bfloat16": "bf16 ", "float16": "fp16 "}[dtype_name]
         models[f"{short}plain"] = build_model(arch, state, dtype, pack=False)
         models[f"{short}packed"] = build_model(arch, state, dtype)
+        if mkl_product.available() and not (dtype != torch.float32 and parallel.half_kernels(dtype)):
+            with mock.patch.object(mkl_product, "available", lambda: False):  # the layout MKL's products replaced
+                models[f"{short}packed for oneDNN (not taken on this CPU)"] = build_model(arch, state, dtype)
         if dtype == torch.bfloat16 and emulated_bf16():
             with mock.patch.object(parallel, "half_kernels", lambda d: d == torch.bfloat16):
                 models["bf16 packed in bf16 (oneDNN emulated)"] = build_model(arch, state, dtype)

@@ -67,6 +67,17 @@ def tiny_weak_draft():
     return ours(tiny_hf_model(seed=2, layers=1, logit_scale=8.0))
 
 
+def default_width_model(dtype: torch.dtype) -> tuple[torch.nn.Module, ModelArch]:
+    """A random two-layer model at the default target's widths (576 hidden, 1536 MLP, 9 heads on 3 KV heads), ours,
+    in `dtype`: the shapes whose products decide whether a row's result depends on the other rows."""
+    torch.manual_seed(5)
+    config = tiny_config(vocab_size=256)
+    config.hidden_size, config.intermediate_size = 576, 1536
+    config.num_attention_heads, config.num_key_value_heads = 9, 3
+    arch = ModelArch.from_hf_config(config)
+    return build_model(arch, LlamaForCausalLM(config).eval().state_dict(), dtype), arch
+
+
 def assert_one_token_steps_equal_scored_rows(runner: ModelRunner, beside: list[int]) -> None:
     """What speculative decoding's exactness leans on: the k + 1 rows of a scoring step give bit for bit the logits
     the one-token steps of plain decoding give, and the same again beside another sequence's `beside` tokens. The

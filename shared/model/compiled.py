@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
-from shared.model.parallel import linear
+from shared.model.parallel import linear, out_features
 from shared.model.rope import apply_rotary
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class CompiledForward:
 
     @staticmethod
     def _register(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
-        _PRODUCTS.append(_Product(weight, bias, weight.shape[0]))
+        _PRODUCTS.append(_Product(weight, bias, out_features(weight)))
         return len(_PRODUCTS) - 1
 
     def __call__(

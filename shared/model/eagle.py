@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale
 from shared.model.config import ModelArch
 from shared.model.llama import DecoderLayer, RMSNorm
-from shared.model.parallel import SINGLE, linear, pack_linears, pack_weight
+from shared.model.parallel import SINGLE, linear, pack_linears, packed_parameter
 from shared.model.rope import RotaryEmbedding, apply_rotary, rotation_tables
 
 HEAD_ARCHITECTURE = "SpecdecEagleHead"
@@ -130,7 +130,7 @@ class EagleHead(torch.nn.Module):
 
     @property
     def draft_vocab_size(self) -> int:
-        return self.subset_lm_head.shape[0]
+        return self.vocab_subset.shape[0]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,7 +173,7 @@ class EagleHead(torch.nn.Module):
         """After loading: the head's weights in oneDNN's layout (parallel.pack_weight)."""
         pack_linears(self)
         for name in ("fc_weight", "subset_lm_head", *(("fuse_weight",) if self.fused else ())):
-            setattr(self, name, torch.nn.Parameter(pack_weight(getattr(self, name).data), requires_grad=False))
+            setattr(self, name, packed_parameter(getattr(self, name).data))
 
     @torch.no_grad()
     def load(self, head_state: dict[str, torch.Tensor], target_embedding: torch.Tensor, target_lm_head: torch.Tensor):

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shared.model import mkl_product
+
 
 @dataclass(frozen=True)
 class TensorParallel:
@@ -151,6 +153,9 @@ def _cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     """`weight` [out, in] reordered once, at load, into oneDNN's blocked layout: an opaque tensor that only
     `linear` reads. Left plain, oneDNN lays the weight out again inside every product of more than one row:
@@ -163,14 +168,32 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     fp32 and round once to the half dtype: what a half-precision product that accumulates in fp32 computes, at
     fp32's speed, where torch's own bf16 product of 5 and 8 rows cost 2.7x and 3.4x the packed fp32 one (AVX2,
     one thread, 30 copies of the 3072 x 576 MLP weight in turn). Weights `linear` would not send to oneDNN come
-    back unchanged."""
+    back unchanged.
+
+    On Intel CPUs an fp32 weight (or such an fp32 copy) is packed for MKL's sgemm instead (shared/model/mkl_product.py):
+    its products cost 0.6-0.9x oneDNN's there. Wrap the result with `packed_parameter`, not a bare Parameter."""
     if not (_ONEDNN and weight.dim() == 2 and weight.device.type == "cpu"):
         return weight
-    if weight.dtype == torch.float32 or half_kernels(weight.dtype):
+    if weight.dtype in HALF_DTYPES and half_kernels(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
-    if weight.dtype in (torch.bfloat16, torch.float16):
-        return torch.ops.mkldnn._reorder_linear_weight(weight.detach().float(), PACK_ROWS)
+    if weight.dtype == torch.float32 or weight.dtype in HALF_DTYPES:
+        fp32 = weight.detach().float()
+        packed = mkl_product.pack(fp32) if mkl_product.available() else None
+        return packed if packed is not None else torch.ops.mkldnn._reorder_linear_weight(fp32, PACK_ROWS)
     return weight
+
+
+def packed_parameter(weight: torch.Tensor) -> torch.nn.Parameter:
+    """pack_weight's result as a module's Parameter (which is a new tensor object: an MKL-packed weight's origin
+    view goes with it)."""
+    packed = pack_weight(weight)
+    return mkl_product.carry_origin(packed, torch.nn.Parameter(packed, requires_grad=False))
+
+
+def out_features(weight: torch.Tensor) -> int:
+    """A weight's output width, plain or packed (an MKL-packed tensor's own shape is its buffer's)."""
+    origin = getattr(weight, mkl_product.ORIGIN, None)
+    return int((weight if origin is None else origin).shape[0])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -179,12 +202,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     one row's cost, which is what makes scoring k + 1 tokens nearly as cheap as one. At one row (plain
     decoding) oneDNN also beat MKL's gemv, by 1.4-1.6x over the model's 121 weight matrices in turn (each
     read from memory, as in a real step); only a single weight hot in cache favours MKL. Both accumulate
-    in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`; a half-precision `x` on
-    an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype."""
+    in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`, or where it was packed for
+    MKL's packed sgemm (Intel CPUs, mkl_product.py), which is not MKL's plain product, to that; a half-precision
+    `x` on an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype."""
     if weight.is_mkldnn:
         if x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's products are 2-D already
             return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
         rows = x.contiguous()
+        origin = getattr(weight, mkl_product.ORIGIN, None)
+        if origin is not None:  # every row count in one call: MKL's packed rows do not depend on it
+            return mkl_product.product(rows, weight, origin, bias)
         if rows.dtype == weight.dtype == torch.bfloat16 and bf16_in_blocks():
             return _bf16_in_blocks(rows, weight, bias)
         num_rows = rows.shape[0]
@@ -263,7 +290,7 @@ def pack_linears(module: torch.nn.Module) -> None:
     weight cannot be loaded into)."""
     for layer in module.modules():
         if isinstance(layer, ColumnParallelLinear | RowParallelLinear):
-            layer.weight = torch.nn.Parameter(pack_weight(layer.weight.data), requires_grad=False)
+            layer.weight = packed_parameter(layer.weight.data)
 
 
 def _divisors(n: int) -> str:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM
 
 from shared.model import parallel
 from shared.model.build import CacheConfig, make_runner
@@ -18,7 +17,7 @@ from shared.model.config import ModelArch
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
 from shared.model.loader import build_model
 from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, half_kernels, linear, pack_weight
-from tests.tiny import assert_one_token_steps_equal_scored_rows, ours, tiny_config, tiny_hf_model
+from tests.tiny import assert_one_token_steps_equal_scored_rows, default_width_model, ours, tiny_hf_model
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
@@ -196,13 +195,7 @@ def test_a_bf16_position_gets_the_same_logits_in_a_one_token_step_and_among_scor
     step gives are, bit for bit, those of the same position among k + 1 scored rows and beside another
     sequence's rows, what keeps speculative and plain decoding on one path at bf16's many near-ties."""
     _half_or_skip(torch.bfloat16, half_path)
-    torch.manual_seed(5)
-    config = tiny_config(vocab_size=256)
-    config.hidden_size, config.intermediate_size = 576, 1536
-    config.num_attention_heads, config.num_key_value_heads = 9, 3
-    hf = LlamaForCausalLM(config).eval()
-    arch = ModelArch.from_hf_config(config)
-    model = build_model(arch, hf.state_dict(), torch.bfloat16)
+    model, arch = default_width_model(torch.bfloat16)
     runner = make_runner(model, arch, num_blocks=64, cache=CacheConfig(block_size=4, attention_backend="torch"))
     assert_one_token_steps_equal_scored_rows(runner, beside=[1] * 30)
 
