@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         short = {"float32": "", "bfloat16": "bf16 ", "float16": "fp16 "}[dtype_name]
         models[f"{short}plain"] = build_model(arch, state, dtype, pack=False)
         models[f"{short}packed"] = build_model(arch, state, dtype)
-        if mkl_product.available() and not (dtype != torch.float32 and parallel.half_kernels(dtype)):
+        if mkl_product.available() and (dtype == torch.float32 or not parallel.half_kernels(dtype)):
             with mock.patch.object(mkl_product, "available", lambda: False):  # the layout MKL's products replaced
                 models[f"{short}packed for oneDNN (not taken on this CPU)"] = build_model(arch, state, dtype)
         if dtype == torch.bfloat16 and emulated_bf16():

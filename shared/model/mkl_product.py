@@ -23,9 +23,10 @@ from __future__ import annotations
 import functools
 import logging
 import os
-from pathlib import Path
 
 import torch
+
+from shared.model.cpuinfo import cpuinfo_field
 
 log = logging.getLogger("specdec.model")
 
@@ -48,25 +49,18 @@ def available() -> bool:
     )
 
 
-@functools.cache
 def _vendor() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-    for line in text.splitlines():
-        if line.startswith("vendor_id"):
-            return line.partition(":")[2].strip()
-    return ""
+    return cpuinfo_field("vendor_id")
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor | None:
     """An fp32 `weight` [out, in] packed for MKL, carrying its origin view; None where this shape's rows would
     not agree (then the caller packs it for oneDNN)."""
     packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), PACK_ROWS)
-    setattr(packed, ORIGIN, weight.new_zeros(()).expand(weight.shape))
-    if not _rows_agree(tuple(weight.shape), packed, weight):
+    origin = weight.new_zeros(()).expand(weight.shape)
+    if not _rows_agree(packed, origin, weight):
         return None
+    setattr(packed, ORIGIN, origin)
     return packed
 
 
@@ -91,14 +85,14 @@ def product(rows: torch.Tensor, weight: torch.Tensor, origin: torch.Tensor, bias
 _checked: dict[tuple[int, ...], bool] = {}
 
 
-def _rows_agree(shape: tuple[int, ...], packed: torch.Tensor, weight: torch.Tensor) -> bool:
+def _rows_agree(packed: torch.Tensor, origin: torch.Tensor, weight: torch.Tensor) -> bool:
     """Once per shape: every row count of _CHECK_COUNTS gives its rows' results of a 64-row product bit for bit, and
     the products are right (against torch's own product of the plain weight)."""
+    shape = tuple(weight.shape)
     if shape not in _checked:
         gen = torch.Generator().manual_seed(0)
         x = torch.randn(64, shape[1], generator=gen)
         with torch.inference_mode():
-            origin = getattr(packed, ORIGIN)
             together = product(x, packed, origin, None)
             same = all(torch.equal(product(x[:n], packed, origin, None), together[:n]) for n in _CHECK_COUNTS)
             same = same and torch.equal(product(x[9:10], packed, origin, None), together[9:10])

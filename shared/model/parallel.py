@@ -17,7 +17,6 @@ import functools
 import platform
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from shared.model import mkl_product
+from shared.model.cpuinfo import cpuinfo_field
 
 
 @dataclass(frozen=True)
@@ -143,14 +143,7 @@ def _torch_cpu_has(probe: str) -> bool:
 
 @functools.cache  # asked once per weight at load; the CPU does not change
 def _cpu_flags() -> frozenset[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return frozenset()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return frozenset(line.partition(":")[2].split())
-    return frozenset()
+    return frozenset(cpuinfo_field("flags").split())
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)

@@ -7,6 +7,8 @@ k + 1 scored rows give, bit for bit, the logits a one-token step would.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from shared.model import parallel
 from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
+from shared.model.cpuinfo import cpuinfo_field
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
 from shared.model.loader import build_model
 from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, half_kernels, linear, pack_weight
@@ -122,8 +125,10 @@ def test_bf16_products_run_in_blocks_except_with_avx512_bf16_and_no_amx(
 
 def test_cpu_flags_are_read_from_this_machine():
     flags = parallel._cpu_flags()
-    if parallel.Path("/proc/cpuinfo").exists() and parallel.platform.machine() == "x86_64":
+    if Path("/proc/cpuinfo").exists() and parallel.platform.machine() == "x86_64":
         assert "sse2" in flags  # every x86-64 CPU has it
+        assert cpuinfo_field("vendor_id")  # mkl_product's choice reads it
+    assert cpuinfo_field("no such field") == ""
 
 
 @needs_onednn
