@@ -1,7 +1,9 @@
 """`python -m specdec_bench.compile_bench`: the target's forward eager against compiled (`--compile`), in one process.
 
-One model, its forward compiled once; the two ways alternate in blocks on the same weights and cache, so a
-machine whose speed drifts (this one's moves by 10-20% from one minute to the next) slows both alike. Two
+The same weights loaded twice (a bf16 forward that makes its own products in the graph lays its layers' weights
+out again, so the eager one keeps its own), the forward compiled once; the two ways alternate in blocks on the
+same cache, so a machine whose speed drifts (this one's moves by 10-20% from one minute to the next) slows both
+alike. Two
 tables: the forward alone (a one-token step and a scoring step of k + 1 = 5 tokens, batch 1 and 8, ~200 tokens
 of context), and target-only greedy decoding through the engine (the bench's general chat prompts, batch 1 one
 prompt after another, and all at once), with the tokens of both ways compared. Ratios are compiled / eager per
@@ -19,7 +21,7 @@ import torch
 
 from shared.malloc_tuning import tune_malloc
 from shared.model.build import CacheConfig, load_paged_model
-from shared.model.loader import load_tokenizer
+from shared.model.loader import load_model, load_tokenizer
 from shared.model.runner import ForwardItem
 from shared.sampling import SamplingParams
 from shared.settings import default_target_model
@@ -110,17 +112,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=8, help="forward steps per block")
     parser.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt in the engine rows")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     args = parser.parse_args(argv)
     tune_malloc()
     if args.threads:
         torch.set_num_threads(args.threads)
-    target = args.target or default_target_model()
-    paged = load_paged_model(target, 8, 2048, 4, CacheConfig(enable_prefix_caching=False), compile=True)
-    model = paged.runner.model
-    compiled_forward = model.compiled
+    target, dtype = args.target or default_target_model(), getattr(torch, args.dtype)
+    eager_model, _ = load_model(target, dtype)
+    paged = load_paged_model(target, 8, 2048, 4, CacheConfig(enable_prefix_caching=False), dtype, compile=True)
+    compiled_model = paged.runner.model
+    in_graph = compiled_model.compiled is not None and compiled_model.compiled.templates
+    print(f"{args.dtype}; products {'in the graph' if in_graph else 'opaque, packed'}")
 
     def toggle(compiled: bool) -> None:
-        model.compiled = compiled_forward if compiled else None
+        paged.runner.model = compiled_model if compiled else eager_model
 
     started = time.monotonic()
     toggle(True)

@@ -19,6 +19,21 @@ position among k + 1 scored rows, beside other sequences, all bit for bit equal 
 The token dimension is marked unbacked so that one graph serves every step size: a one-token step would otherwise
 get a graph of its own (the first call compiles: 60 s cold for the default target on two cores, about 20 s from
 Inductor's on-disk cache).
+
+bf16 products inside the graph (`products_in_graph`): with bf16 weights on a CPU that multiplies bf16 in hardware
+(AMX, AVX-512 BF16), the layers' products are plain `F.linear`s over the weights, which the compiler freezes as
+constants and multiplies with its own C++ GEMM templates (`freezing`, `max_autotune`, the CPP backend only):
+micro-kernels for AMX or AVX-512 BF16 built for these shapes, called from the graph's C++ with no per-call
+dispatch, where each of oneDNN's calls cost ~35-75 us before any arithmetic and ran in blocks of 16 rows; the LM
+head's product is a small graph of its own. On the default target (Xeon with AMX, 2 threads) a one-token forward
+took 0.64-0.71x the eager bf16 one, 8 sequences scoring 5 tokens 0.56-0.61x (docs/BENCHMARKS.md, "bf16 products
+made by the compiled graph"). Exactness holds as for the opaque products: a template's row is computed alike
+whatever the row count (a position's logits bit for bit the same alone, among scored rows and beside prefills of
+up to 500 rows on the default target); only the CPP backend is allowed, since autotuning against ATen's product
+could pick oneDNN's, whose bf16 rows depend on the row count. The price is start-up: ~130 s on two cores for the
+default target, every start (frozen graphs are not kept in Inductor's cache). fp32 keeps the opaque products:
+MKL's packed ones were slower than the templates at one row (58.6 against 53.0 ms a step) but much faster at the
+40 rows of 8 sequences scoring 5 tokens (152 against 211 ms).
 """
 
 from __future__ import annotations
@@ -28,13 +43,21 @@ import os
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
-from shared.model.parallel import linear, out_features
+from shared.model.mkl_product import ORIGIN
+from shared.model.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    bf16_instructions,
+    linear,
+    out_features,
+)
 from shared.model.rope import apply_rotary
 
 if TYPE_CHECKING:
@@ -87,6 +110,21 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_id: int, layer: i
     return torch.empty_like(q)
 
 
+# Inductor's options for a graph whose bf16 products it makes itself: weights frozen as constants (laid out for its
+# micro-kernels once, at compile), products by its C++ GEMM templates and nothing else (see the module's docstring).
+TEMPLATE_OPTIONS: dict[str, Any] = {
+    "freezing": True,
+    "max_autotune": True,
+    "max_autotune_gemm_backends": "CPP",
+}
+
+
+def products_in_graph(dtype: torch.dtype) -> bool:
+    """Whether a compiled forward in `dtype` multiplies inside its graph (C++ GEMM templates) rather than through
+    opaque packed products: bf16 on a CPU with bf16 instructions, where it was measured to pay."""
+    return dtype == torch.bfloat16 and bf16_instructions()
+
+
 def has_cpp_compiler() -> bool:
     """Inductor's CPU backend builds its kernels with the system's C++ compiler (`$CXX`, else g++ or clang++)."""
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
@@ -95,7 +133,7 @@ def has_cpp_compiler() -> bool:
 class CompiledForward:
     """`LlamaModel.forward_with_layers` as one compiled graph, for a model at tensor-parallel degree 1 on CPU."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, templates: bool | None = None) -> None:
         if model.tp.world_size > 1:
             raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
         if model.embed_tokens.weight.device.type != "cpu":
@@ -106,6 +144,10 @@ class CompiledForward:
             )
         self.model = model
         self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
+        dtype = model.embed_tokens.weight.dtype
+        self.templates = products_in_graph(dtype) if templates is None else templates
+        if self.templates:
+            _unpack_layers(self.layers)
         self.model_id = next(_model_ids)
         _CONTEXTS[self.model_id] = _StepContext(model, self.layers[0].self_attn.scale)
         self.products = [
@@ -118,6 +160,9 @@ class CompiledForward:
             for layer in self.layers
         ]
         self.graphs: dict[tuple[int, ...], Callable] = {}  # per set of captured layers: constants in the graph
+        self.logits_graph: Callable | None = None  # the LM head's product, where the graph makes the products
+        if self.templates:
+            model.packed_lm_head = None  # the LM head's graph reads the plain weight (the tied embedding's)
 
     @staticmethod
     def _register(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
@@ -141,9 +186,27 @@ class CompiledForward:
         if graph is None:
             graph = self.graphs[layers] = torch.compile(self._body_for(layers), dynamic=True, fullgraph=True)
         try:
-            return graph(input_ids, positions)
+            if not self.templates:
+                return graph(input_ids, positions)
+            # Compiling happens inside a call (the first, or one whose guards fail), and freezing is read before
+            # Inductor's own options apply: the settings are the process's for the call, and only for it.
+            with inductor_config.patch(TEMPLATE_OPTIONS):
+                return graph(input_ids, positions)
         finally:
             context.kv_caches = context.meta = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        """The LM head's product by a template of its own, where the graph makes the layers' products: oneDNN's
+        bf16 blocks of 16 rows read the [vocab, hidden] weight once a block (three times for the 40 rows of 8
+        sequences scoring 5 tokens), a template once."""
+        if self.logits_graph is None:
+            self.logits_graph = torch.compile(self._logits_body, dynamic=True, fullgraph=True)
+        torch._dynamo.decorators.mark_unbacked(hidden, 0)
+        with inductor_config.patch(TEMPLATE_OPTIONS):
+            return self.logits_graph(hidden)
+
+    def _logits_body(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.model.lm_head_weight).float()
 
     def _body_for(self, layers: tuple[int, ...]) -> Callable:
         """The forward capturing `layers`, closed over them: the compiler keeps a closure's ints as constants
@@ -157,10 +220,10 @@ class CompiledForward:
     def _body(
         self, input_ids: torch.Tensor, positions: torch.Tensor, layers: tuple[int, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The twin of `LlamaModel.forward_with_layers` and its layers' forwards (shared/model/llama.py), with the
-        products and the attention as the custom ops above: the eager modules take the step's metadata as an
-        argument, which the compiler would guard on at every step. A change to one is a change to the other;
-        tests/unit/test_compiled_forward.py holds them within 1e-4 of each other."""
+        """The twin of `LlamaModel.forward_with_layers` and its layers' forwards (shared/model/llama.py), with
+        the attention and (unless the graph makes its own) the products as the custom ops above: the eager modules
+        take the step's metadata as an argument, which the compiler would guard on at every step. A change to one
+        is a change to the other; tests/unit/test_compiled_forward.py holds them within 1e-4 of each other."""
         model = self.model
         x = F.embedding(input_ids, model.embed_tokens.weight)  # [T, hidden]
         # apply_rotary, not llama's apply_rotation: torch.roll cannot be traced with the step's unbacked row count
@@ -170,19 +233,49 @@ class CompiledForward:
             attention, mlp = layer.self_attn, layer.mlp
             heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
             qkv, out_proj, gate_up, down = self.products[i]
-            qk, v = _product(layer.input_layernorm(x), qkv).split(
+            qk, v = self._product(layer.input_layernorm(x), qkv, attention.qkv_proj).split(
                 [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1
             )
             qk = apply_rotary(qk.view(-1, heads + kv_heads, head_dim), cos, sin)  # [T, heads + kv_heads, D]
             q, k = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
             out = _attention(q, k, v.reshape(-1, kv_heads, head_dim).contiguous(), self.model_id, i)  # [T, H, D]
-            x = x + _row_bias(_product(out.reshape(out.shape[0], -1), out_proj), attention.o_proj.bias)
-            gate, up = _product(layer.post_attention_layernorm(x), gate_up).split([mlp.inter, mlp.inter], dim=-1)
-            x = x + _row_bias(_product(F.silu(gate) * up, down), mlp.down_proj.bias)
+            out = self._product(out.reshape(out.shape[0], -1), out_proj, attention.o_proj)
+            x = x + _row_bias(out, attention.o_proj.bias)
+            gate, up = self._product(layer.post_attention_layernorm(x), gate_up, mlp.gate_up_proj).split(
+                [mlp.inter, mlp.inter], dim=-1
+            )
+            down_out = self._product(F.silu(gate) * up, down, mlp.down_proj)
+            x = x + _row_bias(down_out, mlp.down_proj.bias)
             outputs.append(x)
         final = model.norm(x)
         captured = [final if i == -1 else outputs[i] for i in layers]
         return final, torch.cat(captured, dim=-1) if captured else None
+
+    def _product(self, x: torch.Tensor, index: int, module: ColumnParallelLinear | RowParallelLinear) -> torch.Tensor:
+        """x [T, in] @ the module's weight.T: inside the graph (the module's plain weight, frozen; a column-parallel
+        layer's bias with it, a row-parallel one's added after, as eager) or through the opaque op (registry entry
+        `index`, which holds the same weight and bias)."""
+        if self.templates:
+            bias = module.bias if isinstance(module, ColumnParallelLinear) else None
+            return F.linear(x, module.weight, bias)
+        return _product(x, index)
+
+
+def _unpack_layers(layers: list[DecoderLayer]) -> None:
+    """The layers' weights back in torch's plain layout, for the compiler to freeze and lay out for its own
+    kernels: the weights packed for oneDNN at load (`pack_weight`), which the eager forward no longer reads once
+    the forward is compiled."""
+    for layer in layers:
+        for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+            weight = module.weight
+            if not weight.is_mkldnn:
+                continue
+            if hasattr(weight, ORIGIN) or weight.dtype != layer.input_layernorm.weight.dtype:
+                raise ValueError(
+                    "products in the compiled graph need the weights in the model's dtype: these were packed as "
+                    "fp32 copies (a CPU without half kernels); build the model unpacked (build_model(pack=False))"
+                )
+            module.weight = torch.nn.Parameter(weight.to_dense(), requires_grad=False)
 
 
 def _row_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -128,11 +128,12 @@ class LlamaModel(torch.nn.Module):
         self.packed_lm_head: torch.Tensor | None = None  # set by pack_weights
         self.compiled: CompiledForward | None = None  # set by compile
 
-    def compile(self) -> None:
-        """After loading and packing: the forward as one compiled graph (shared/model/compiled.py, `--compile`)."""
+    def compile(self, templates: bool | None = None) -> None:
+        """After loading and packing: the forward as one compiled graph (shared/model/compiled.py, `--compile`);
+        `templates`: the products made by the graph itself (default: where `products_in_graph` says it pays)."""
         from shared.model.compiled import CompiledForward
 
-        self.compiled = CompiledForward(self)
+        self.compiled = CompiledForward(self, templates)
 
     def pack_weights(self) -> None:
         """After loading: every linear weight in oneDNN's layout (parallel.pack_weight). The LM head is packed
@@ -179,6 +180,8 @@ class LlamaModel(torch.nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
+        if self.compiled is not None and self.compiled.templates:
+            return self.compiled.logits(hidden)
         weight = self.lm_head_weight if self.packed_lm_head is None else self.packed_lm_head
         return linear(hidden, weight).float()
 

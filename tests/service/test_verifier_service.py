@@ -540,7 +540,10 @@ def test_a_queued_request_gets_keepalives_while_the_engine_serves_others():
     messages (the engine is stepping), so a gateway does not take it for a hung stream; its tokens are unchanged."""
 
     async def body():
-        verifier = await start_verifier(max_num_seqs=1, keepalive_interval_s=0.05, step_delay_s=0.02)
+        # Steps of ~25 ms against keep-alives every 150 ms: a running request's gap between steps stays well under
+        # the interval even on a slow, shared machine (at 50 ms one step in ~30 crossed it there), while the
+        # waiting one, queued behind 30 steps, still sees several.
+        verifier = await start_verifier(max_num_seqs=1, keepalive_interval_s=0.15, step_delay_s=0.02)
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
