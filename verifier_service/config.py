@@ -144,7 +144,7 @@ class VerifierConfig(TLSConfig):
             "help": "run the target's forward as one graph compiled by torch.compile (CPU, tensor-parallel size "
             "1): the small ops between the weight products fused (steps 8-16 percent faster on a 2-core Xeon); "
             "the first forward (the warm-up) compiles for about a minute; logits within ~1e-4 of the eager ones. "
-            "With --dtype bfloat16 on a CPU with bf16 instructions the graph also makes the weight products "
+            "With --dtype bfloat16 on a CPU with AMX the graph also makes the weight products "
             "itself (steps ~0.65x the eager bf16 ones on a 2-core Xeon with AMX; compiling takes ~140 s there)"
         },
     )

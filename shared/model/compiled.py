@@ -20,20 +20,19 @@ The token dimension is marked unbacked so that one graph serves every step size:
 get a graph of its own (the first call compiles: 60 s cold for the default target on two cores, about 20 s from
 Inductor's on-disk cache).
 
-bf16 products inside the graph (`products_in_graph`): with bf16 weights on a CPU that multiplies bf16 in hardware
-(AMX, AVX-512 BF16), the layers' products are plain `F.linear`s over the weights, which the compiler freezes as
-constants and multiplies with its own C++ GEMM templates (`freezing`, `max_autotune`, the CPP backend only):
-micro-kernels for AMX or AVX-512 BF16 built for these shapes, called from the graph's C++ with no per-call
-dispatch, where each of oneDNN's calls cost ~35-75 us before any arithmetic and ran in blocks of 16 rows; the LM
-head's product is a small graph of its own. On the default target (Xeon with AMX, 2 threads) a one-token forward
-took 0.64-0.71x the eager bf16 one, 8 sequences scoring 5 tokens 0.56-0.61x (docs/BENCHMARKS.md, "bf16 products
-made by the compiled graph"). Exactness holds as for the opaque products: a template's row is computed alike
-whatever the row count (a position's logits bit for bit the same alone, among scored rows and beside prefills of
-up to 500 rows on the default target); only the CPP backend is allowed, since autotuning against ATen's product
-could pick oneDNN's, whose bf16 rows depend on the row count. The price is start-up: ~130 s on two cores for the
-default target, every start (frozen graphs are not kept in Inductor's cache). fp32 keeps the opaque products:
-MKL's packed ones were slower than the templates at one row (58.6 against 53.0 ms a step) but much faster at the
-40 rows of 8 sequences scoring 5 tokens (152 against 211 ms).
+bf16 products inside the graph (`products_in_graph`): with bf16 weights on a CPU with AMX, the layers' products
+are plain `F.linear`s over the weights, which the compiler freezes as constants and multiplies with its own C++
+GEMM templates (`freezing`, `max_autotune`, the CPP backend only): AMX micro-kernels built for these shapes,
+called from the graph's C++ with no per-call dispatch, where each of oneDNN's calls cost ~35-75 us before any
+arithmetic and ran in blocks of 16 rows; the LM head's product is a small graph of its own. On the default target
+(Xeon with AMX, 2 threads) a one-token forward took 0.64-0.71x the eager bf16 one, 8 sequences scoring 5 tokens
+0.56-0.61x (docs/BENCHMARKS.md, "bf16 products made by the compiled graph"). Exactness holds as for the opaque
+products: a template's row is computed alike whatever the row count (a position's logits bit for bit the same
+alone, among scored rows and beside prefills of up to 500 rows on the default target); only the CPP backend is
+allowed, since autotuning against ATen's product could pick oneDNN's, whose bf16 rows depend on the row count. The
+price is start-up: ~130 s on two cores for the default target, every start (frozen graphs are not kept in
+Inductor's cache). fp32 keeps the opaque products: MKL's packed ones were slower than the templates at one row
+(58.6 against 53.0 ms a step) but much faster at the 40 rows of 8 sequences scoring 5 tokens (152 against 211 ms).
 """
 
 from __future__ import annotations
@@ -54,7 +53,7 @@ from shared.model.mkl_product import ORIGIN
 from shared.model.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
-    bf16_instructions,
+    amx_tiles,
     linear,
     out_features,
 )
@@ -121,8 +120,10 @@ TEMPLATE_OPTIONS: dict[str, Any] = {
 
 def products_in_graph(dtype: torch.dtype) -> bool:
     """Whether a compiled forward in `dtype` multiplies inside its graph (C++ GEMM templates) rather than through
-    opaque packed products: bf16 on a CPU with bf16 instructions, where it was measured to pay."""
-    return dtype == torch.bfloat16 and bf16_instructions()
+    opaque packed products: bf16 on a CPU with AMX, where it was measured to pay. Not yet elsewhere: with AVX-512
+    BF16 and no AMX (AMD Zen 4) oneDNN's bf16 products already run every row count in one call there, and the
+    templates were not measured."""
+    return dtype == torch.bfloat16 and amx_tiles()
 
 
 def has_cpp_compiler() -> bool:

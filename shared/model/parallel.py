@@ -104,7 +104,7 @@ def bf16_in_blocks() -> bool:
     AMX, not measured on AVX-NE-CONVERT or ARM's BF16."""
     if not _x86():
         return True
-    return _torch_cpu_has("_is_amx_tile_supported") or not _torch_cpu_has("_is_avx512_bf16_supported")
+    return amx_tiles() or not _torch_cpu_has("_is_avx512_bf16_supported")
 
 
 def half_kernels(dtype: torch.dtype) -> bool:
@@ -127,9 +127,14 @@ def bf16_instructions() -> bool:
     AVX-512 BF16, AMX or AVX-NE-CONVERT count; elsewhere (ARM's BF16 extension) oneDNN's answer stands."""
     if not _x86():
         return True
-    if _torch_cpu_has("_is_avx512_bf16_supported") or _torch_cpu_has("_is_amx_tile_supported"):
+    if _torch_cpu_has("_is_avx512_bf16_supported") or amx_tiles():
         return True
     return "avx_ne_convert" in _cpu_flags()
+
+
+def amx_tiles() -> bool:
+    """Whether this CPU has AMX tiles (torch.cpu's probe)."""
+    return _torch_cpu_has("_is_amx_tile_supported")
 
 
 def _x86() -> bool:

@@ -1,4 +1,4 @@
-"""`--compile` with bf16 weights on a CPU that multiplies bf16 (shared/model/compiled.py, `products_in_graph`): the
+"""`--compile` with bf16 weights on a CPU with AMX (shared/model/compiled.py, `products_in_graph`): the
 layers' products (and the LM head's, in a graph of its own) are made by Inductor's C++ GEMM templates over the
 frozen weights. What must hold, forced on here whatever the CPU: the graph calls none of our products, a position
 gets bit for bit the same logits in a one-token step, among scored rows and beside other sequences (a prefill
@@ -59,12 +59,12 @@ def runner_of(model, arch, num_blocks: int = 96):
     return make_runner(model, arch, num_blocks, CacheConfig(block_size=BLOCK, attention_backend="torch"))
 
 
-def test_products_in_graph_for_bf16_on_cpus_with_bf16_instructions(monkeypatch):
-    monkeypatch.setattr(compiled, "bf16_instructions", lambda: True)
+def test_products_in_graph_for_bf16_on_cpus_with_amx(monkeypatch):
+    monkeypatch.setattr(compiled, "amx_tiles", lambda: True)
     assert products_in_graph(torch.bfloat16)
     assert not products_in_graph(torch.float32)
     assert not products_in_graph(torch.float16)
-    monkeypatch.setattr(compiled, "bf16_instructions", lambda: False)
+    monkeypatch.setattr(compiled, "amx_tiles", lambda: False)
     assert not products_in_graph(torch.bfloat16)
 
 
