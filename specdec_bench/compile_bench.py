@@ -3,11 +3,10 @@
 The same weights loaded twice (a bf16 forward that makes its own products in the graph lays its layers' weights
 out again, so the eager one keeps its own), the forward compiled once; the two ways alternate in blocks on the
 same cache, so a machine whose speed drifts (this one's moves by 10-20% from one minute to the next) slows both
-alike. Two
-tables: the forward alone (a one-token step and a scoring step of k + 1 = 5 tokens, batch 1 and 8, ~200 tokens
-of context), and target-only greedy decoding through the engine (the bench's general chat prompts, batch 1 one
-prompt after another, and all at once), with the tokens of both ways compared. Ratios are compiled / eager per
-pair of neighbouring blocks, medians over pairs.
+alike. Two tables: the forward alone (a one-token step and a scoring step of k + 1 = 5 tokens, batch 1 and 8,
+~200 tokens of context), and target-only greedy decoding through the engine (the bench's general chat prompts,
+batch 1 one prompt after another, and all at once), with the tokens of both ways compared. Ratios are compiled /
+eager per pair of neighbouring blocks, medians over pairs.
 """
 
 from __future__ import annotations

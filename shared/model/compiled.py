@@ -148,7 +148,7 @@ class CompiledForward:
         dtype = model.embed_tokens.weight.dtype
         self.templates = products_in_graph(dtype) if templates is None else templates
         if self.templates:
-            _unpack_layers(self.layers)
+            _unpack_layers(self.layers, dtype)
         self.model_id = next(_model_ids)
         _CONTEXTS[self.model_id] = _StepContext(model, self.layers[0].self_attn.scale)
         self.products = [
@@ -262,16 +262,16 @@ class CompiledForward:
         return _product(x, index)
 
 
-def _unpack_layers(layers: list[DecoderLayer]) -> None:
-    """The layers' weights back in torch's plain layout, for the compiler to freeze and lay out for its own
-    kernels: the weights packed for oneDNN at load (`pack_weight`), which the eager forward no longer reads once
-    the forward is compiled."""
+def _unpack_layers(layers: list[DecoderLayer], dtype: torch.dtype) -> None:
+    """The layers' weights back in torch's plain layout (in the model's `dtype`), for the compiler to freeze and
+    lay out for its own kernels: the weights packed for oneDNN at load (`pack_weight`), which the eager forward no
+    longer reads once the forward is compiled."""
     for layer in layers:
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             weight = module.weight
             if not weight.is_mkldnn:
                 continue
-            if hasattr(weight, ORIGIN) or weight.dtype != layer.input_layernorm.weight.dtype:
+            if hasattr(weight, ORIGIN) or weight.dtype != dtype:
                 raise ValueError(
                     "products in the compiled graph need the weights in the model's dtype: these were packed as "
                     "fp32 copies (a CPU without half kernels); build the model unpacked (build_model(pack=False))"

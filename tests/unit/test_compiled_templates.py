@@ -139,7 +139,7 @@ def test_an_engine_speculating_on_it_decodes_what_it_decodes_plainly(templated, 
     assert outputs[3] == outputs[0]
 
 
-def test_packed_bf16_weights_are_unpacked_and_fp32_copies_refused(state_and_arch, monkeypatch):
+def test_packed_bf16_weights_are_unpacked_and_fp32_copies_refused(state_and_arch):
     state, arch = state_and_arch
     model = build_model(arch, state, torch.bfloat16, pack=False)
     layer = model.layers[0]
@@ -147,7 +147,7 @@ def test_packed_bf16_weights_are_unpacked_and_fp32_copies_refused(state_and_arch
     layer.mlp.down_proj.weight = torch.nn.Parameter(
         torch.ops.mkldnn._reorder_linear_weight(plain, 16), requires_grad=False
     )
-    _unpack_layers(list(model.layers))
+    _unpack_layers(list(model.layers), torch.bfloat16)
     assert not layer.mlp.down_proj.weight.is_mkldnn and torch.equal(layer.mlp.down_proj.weight, plain)
     layer.mlp.down_proj.weight = torch.nn.Parameter(
         torch.ops.mkldnn._reorder_linear_weight(plain.float(), 16), requires_grad=False
