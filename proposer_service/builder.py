@@ -74,9 +74,41 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         return build_ngram_drafter(config)
     if config.kind == "suffix":
         return build_suffix_drafter(config)
-    if config.kind == "eagle":
-        return build_eagle_drafter(config)
-    return build_draft_model_drafter(config)
+    drafter, info = build_eagle_drafter(config) if config.kind == "eagle" else build_draft_model_drafter(config)
+    if config.compile:
+        started = time.monotonic()
+        warm_up(drafter, info)
+        log.info("warm-up draft done seconds=%.1f compiled=True", time.monotonic() - started)
+    return drafter, info
+
+
+WARM_UP_TENANT = "\x00warm-up"  # no API key's name: its blocks are never another request's prefix-cache hit
+
+
+def warm_up(drafter: Drafter, info: ProposerInfo, k: int = 2) -> None:
+    """One short draft before serving, tree and chain, and the sequences released: with --compile the first forward
+    of each graph compiles it, which a verifier's first request would otherwise wait for (and time out on)."""
+    import torch
+
+    from shared.drafting import DraftRequest
+
+    tokens = list(range(1, 9))
+    # The target's features of every committed position but the last (zeros: a draft's quality is not the point).
+    features = torch.zeros(len(tokens) - 1, info.feature_width) if info.target_hidden_size else None
+    requests = [
+        DraftRequest(
+            f"\x00warm-up-{nodes}",
+            len(tokens),
+            tokens,
+            k,
+            features=features,
+            tenant=WARM_UP_TENANT,
+            max_tree_nodes=nodes,
+        )
+        for nodes in (0, 2 * k)
+    ]
+    drafter.propose(requests)
+    drafter.release([req.seq_id for req in requests])
 
 
 def load_grammar_compiler(
@@ -138,8 +170,9 @@ def build_draft_model_drafter(config: ProposerConfig) -> tuple[Drafter, Proposer
     block_size = resolve_block_size(config.block_size, config.attention_backend, device)
     cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
     paged = load_paged_model(
-        name, config.max_num_seqs, config.max_model_len, config.max_k, cache, dtype, device, tp_size, "the draft model"
-    )
+        name, config.max_num_seqs, config.max_model_len, config.max_k, cache, dtype, device, tp_size, "the draft model",
+        config.compile,
+    )  # fmt: skip
     arch = paged.arch
     grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)
     drafter = DraftModelDrafter(paged.runner, paged.blocks, top_n=config.draft_top_n, grammar=grammar)
@@ -198,6 +231,8 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     )
     # A head for layers this target lacks is refused here, at start-up, not by a verifier later.
     check_feature_layers(drafter.head.feature_layers, arch.num_layers, f"the head {head_dir}")
+    if config.compile:
+        drafter.head.compile()
     drafter.tree_width, drafter.tree_beam, drafter.cache.ahead = config.tree_width, config.tree_beam, config.draft_ahead
     fingerprint = tokenizer_fingerprint(target)
     info = ProposerInfo(

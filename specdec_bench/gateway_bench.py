@@ -354,7 +354,8 @@ def build_stacks(
     """One stack per name (default: all but eagle, which needs `eagle_head`): target only, draft model,
     EAGLE head, n-gram; every proposer stack with k = 4 fixed unless its name says otherwise. `split`: the
     verifier alone on core 0, the proposer and the gateway on core 1, one thread each (the deployment the
-    product is built for: each service on its own device). `compile`: every verifier with `--compile`."""
+    product is built for: each service on its own device). `compile`: every verifier, and every proposer that runs
+    a model (EAGLE head, draft model), with `--compile`."""
     split = placement == "split"
     core_of = {"verifier": VERIFIER_CORE if split else None, "other": PROPOSER_CORE if split else None}
     stacks = {}
@@ -381,6 +382,8 @@ def build_stacks(
             if kind == "eagle":
                 assert eagle_head is not None
                 proposer += ["--model", eagle_head, "--target-model", target, "--dtype", head_dtype]
+            if compile and kind in ("eagle", "draft-model"):
+                proposer += ["--compile"]
             if base.endswith("-ahead"):
                 proposer += ["--draft-ahead", str(AHEAD)]
             if base.endswith("-tree"):
@@ -1063,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
         "--compile",
         action="store_true",
         help="every verifier (target-only and speculating stacks alike) with --compile: the target's forward as one "
-        "compiled graph",
+        "compiled graph; every EAGLE head and draft model too (the proposer's --compile)",
     )
     parser.add_argument(
         "--placement",

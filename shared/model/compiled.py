@@ -7,6 +7,9 @@ up) and Python around them. vLLM's CPU build compiles its layers by default and 
 same weights (docs/BENCHMARKS.md, peer section). Compiled pieces between eager products did not pay (each
 compiled call's guards cost more than the ops it saved); the whole forward as one graph does.
 
+`CompiledLayers` is what this forward shares with a compiled EAGLE head (shared/model/compiled_head.py, the
+proposer's `--compile`): the decoder layers' twin, the opaque ops and the calls that run a graph for one step.
+
 What stays eager, as opaque custom ops in the graph: the weight products (oneDNN's packed weights are opaque
 tensors that the compiler cannot trace, so a product is called with its index in a registry) and the paged
 attention with its K/V writes (block tables, token trees and split calls are per-step Python structures; the
@@ -72,14 +75,14 @@ class _Product:
 
 @dataclass
 class _StepContext:
-    model: LlamaModel
+    backend: Any  # the owner's paged attention (TorchPagedAttention or FlashPagedAttention)
     scale: float  # the attention's softmax scale, every layer's
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     meta: AttentionMetadata | None = None
 
 
 _PRODUCTS: list[_Product] = []  # every compiled model's weights, by index: the graph holds the index only
-_CONTEXTS: dict[int, _StepContext] = {}  # per compiled model: the step being run (caches, metadata)
+_CONTEXTS: dict[int, _StepContext] = {}  # per compiled model or head: the step being run (caches, metadata)
 _model_ids = itertools.count()
 
 
@@ -101,7 +104,7 @@ def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, model_id: int,
     assert context.kv_caches is not None and context.meta is not None
     k_cache, v_cache = context.kv_caches[layer]
     write_kv(k_cache, v_cache, k, v, context.meta)
-    return paged_attention(context.model.backend, q, k_cache, v_cache, context.meta, context.scale).contiguous()
+    return paged_attention(context.backend, q, k_cache, v_cache, context.meta, context.scale).contiguous()
 
 
 @_attention.register_fake
@@ -131,26 +134,25 @@ def has_cpp_compiler() -> bool:
     return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
 
 
-class CompiledForward:
-    """`LlamaModel.forward_with_layers` as one compiled graph, for a model at tensor-parallel degree 1 on CPU."""
+def check_can_compile(device: torch.device) -> None:
+    if device.type != "cpu":
+        raise ValueError("--compile runs on CPU only (Inductor's C++ backend); on CUDA leave it off")
+    if not has_cpp_compiler():
+        raise ValueError("--compile needs a C++ compiler for Inductor's CPU kernels (g++ or clang++ on PATH, or $CXX)")
 
-    def __init__(self, model: LlamaModel, templates: bool | None = None) -> None:
-        if model.tp.world_size > 1:
-            raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
-        if model.embed_tokens.weight.device.type != "cpu":
-            raise ValueError("--compile runs on CPU only (Inductor's C++ backend); on CUDA leave it off")
-        if not has_cpp_compiler():
-            raise ValueError(
-                "--compile needs a C++ compiler for Inductor's CPU kernels (g++ or clang++ on PATH, or $CXX)"
-            )
-        self.model = model
-        self.layers: list[DecoderLayer] = list(model.layers)  # type: ignore[arg-type]
-        dtype = model.embed_tokens.weight.dtype
+
+class CompiledLayers:
+    """What a compiled target and a compiled EAGLE head share: Llama decoder layers traced into a graph, with the
+    paged attention (and, unless the graph makes its own, the products) as the opaque ops above, and the calls that
+    run such a graph for one step."""
+
+    def __init__(self, backend: Any, layers: list[DecoderLayer], dtype: torch.dtype, templates: bool | None) -> None:
+        self.layers = layers
         self.templates = products_in_graph(dtype) if templates is None else templates
         if self.templates:
             _unpack_layers(self.layers, dtype)
         self.model_id = next(_model_ids)
-        _CONTEXTS[self.model_id] = _StepContext(model, self.layers[0].self_attn.scale)
+        _CONTEXTS[self.model_id] = _StepContext(backend, self.layers[0].self_attn.scale)
         self.products = [
             [
                 self._register(layer.self_attn.qkv_proj.weight, layer.self_attn.qkv_proj.bias),
@@ -160,15 +162,84 @@ class CompiledForward:
             ]
             for layer in self.layers
         ]
-        self.graphs: dict[tuple[int, ...], Callable] = {}  # per set of captured layers: constants in the graph
-        self.logits_graph: Callable | None = None  # the LM head's product, where the graph makes the products
-        if self.templates:
-            model.packed_lm_head = None  # the LM head's graph reads the plain weight (the tied embedding's)
 
     @staticmethod
     def _register(weight: torch.Tensor, bias: torch.Tensor | None = None) -> int:
         _PRODUCTS.append(_Product(weight, bias, out_features(weight)))
         return len(_PRODUCTS) - 1
+
+    def _run(
+        self,
+        graph: Callable,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+        meta: AttentionMetadata | None,
+        *args: torch.Tensor,
+    ) -> Any:
+        """graph(*args) with the step's caches and metadata where the attention op reads them; every arg's first
+        dimension (the step's rows) unbacked: one graph for every step size, where a one-row step would otherwise
+        get a graph of its own."""
+        context = _CONTEXTS[self.model_id]
+        context.kv_caches, context.meta = kv_caches, meta
+        for arg in args:
+            torch._dynamo.decorators.mark_unbacked(arg, 0)
+        try:
+            if not self.templates:
+                return graph(*args)
+            # Compiling happens inside a call (the first, or one whose guards fail), and freezing is read before
+            # Inductor's own options apply: the settings are the process's for the call, and only for it.
+            with inductor_config.patch(TEMPLATE_OPTIONS):
+                return graph(*args)
+        finally:
+            context.kv_caches = context.meta = None
+
+    def _layer(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Decoder layer i of `llama.DecoderLayer.forward`'s twin, traced: x [T, hidden] -> [T, hidden]."""
+        layer = self.layers[i]
+        attention, mlp = layer.self_attn, layer.mlp
+        heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+        qkv, out_proj, gate_up, down = self.products[i]
+        qk, v = self._product(layer.input_layernorm(x), qkv, attention.qkv_proj).split(
+            [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1
+        )
+        qk = apply_rotary(qk.view(-1, heads + kv_heads, head_dim), cos, sin)  # [T, heads + kv_heads, D]
+        q, k = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
+        out = _attention(q, k, v.reshape(-1, kv_heads, head_dim).contiguous(), self.model_id, i)  # [T, H, D]
+        out = self._product(out.reshape(out.shape[0], -1), out_proj, attention.o_proj)
+        x = x + _row_bias(out, attention.o_proj.bias)
+        gate, up = self._product(layer.post_attention_layernorm(x), gate_up, mlp.gate_up_proj).split(
+            [mlp.inter, mlp.inter], dim=-1
+        )
+        down_out = self._product(F.silu(gate) * up, down, mlp.down_proj)
+        return x + _row_bias(down_out, mlp.down_proj.bias)
+
+    def _product(self, x: torch.Tensor, index: int, module: ColumnParallelLinear | RowParallelLinear) -> torch.Tensor:
+        """x [T, in] @ the module's weight.T; a column-parallel layer's bias with it, a row-parallel one's added
+        after, as eager."""
+        return self._matmul(x, index, module.weight, module.bias if isinstance(module, ColumnParallelLinear) else None)
+
+    def _matmul(
+        self, x: torch.Tensor, index: int, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, in] @ weight.T + bias: inside the graph (the plain weight, frozen) or through the opaque op
+        (registry entry `index`, which holds the same weight and bias)."""
+        if self.templates:
+            return F.linear(x, weight, bias)
+        return _product(x, index)
+
+
+class CompiledForward(CompiledLayers):
+    """`LlamaModel.forward_with_layers` as one compiled graph, for a model at tensor-parallel degree 1 on CPU."""
+
+    def __init__(self, model: LlamaModel, templates: bool | None = None) -> None:
+        if model.tp.world_size > 1:
+            raise ValueError("--compile needs --tensor-parallel-size 1 (the ranks' all-reduces stay eager)")
+        check_can_compile(model.embed_tokens.weight.device)
+        super().__init__(model.backend, list(model.layers), model.embed_tokens.weight.dtype, templates)  # type: ignore[arg-type]
+        self.model = model
+        self.graphs: dict[tuple[int, ...], Callable] = {}  # per set of captured layers: constants in the graph
+        self.logits_graph: Callable | None = None  # the LM head's product, where the graph makes the products
+        if self.templates:
+            model.packed_lm_head = None  # the LM head's graph reads the plain weight (the tied embedding's)
 
     def __call__(
         self,
@@ -177,24 +248,10 @@ class CompiledForward:
         meta: AttentionMetadata,
         layers: tuple[int, ...],
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        context = _CONTEXTS[self.model_id]
-        context.kv_caches, context.meta = kv_caches, meta
-        positions = meta.positions
-        # One graph for every step size: without this, a one-token step would get a graph of its own.
-        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
-        torch._dynamo.decorators.mark_unbacked(positions, 0)
         graph = self.graphs.get(layers)
         if graph is None:
             graph = self.graphs[layers] = torch.compile(self._body_for(layers), dynamic=True, fullgraph=True)
-        try:
-            if not self.templates:
-                return graph(input_ids, positions)
-            # Compiling happens inside a call (the first, or one whose guards fail), and freezing is read before
-            # Inductor's own options apply: the settings are the process's for the call, and only for it.
-            with inductor_config.patch(TEMPLATE_OPTIONS):
-                return graph(input_ids, positions)
-        finally:
-            context.kv_caches = context.meta = None
+        return self._run(graph, kv_caches, meta, input_ids, meta.positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32
         """The LM head's product by a template of its own, where the graph makes the layers' products: oneDNN's
@@ -202,9 +259,7 @@ class CompiledForward:
         sequences scoring 5 tokens), a template once."""
         if self.logits_graph is None:
             self.logits_graph = torch.compile(self._logits_body, dynamic=True, fullgraph=True)
-        torch._dynamo.decorators.mark_unbacked(hidden, 0)
-        with inductor_config.patch(TEMPLATE_OPTIONS):
-            return self.logits_graph(hidden)
+        return self._run(self.logits_graph, None, None, hidden)
 
     def _logits_body(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.model.lm_head_weight).float()
@@ -230,53 +285,33 @@ class CompiledForward:
         # apply_rotary, not llama's apply_rotation: torch.roll cannot be traced with the step's unbacked row count
         cos, sin = model.rotary(positions, x.dtype)
         outputs: list[torch.Tensor] = []  # each decoder layer's output
-        for i, layer in enumerate(self.layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
-            qkv, out_proj, gate_up, down = self.products[i]
-            qk, v = self._product(layer.input_layernorm(x), qkv, attention.qkv_proj).split(
-                [(heads + kv_heads) * head_dim, kv_heads * head_dim], dim=-1
-            )
-            qk = apply_rotary(qk.view(-1, heads + kv_heads, head_dim), cos, sin)  # [T, heads + kv_heads, D]
-            q, k = qk[:, :heads].contiguous(), qk[:, heads:].contiguous()
-            out = _attention(q, k, v.reshape(-1, kv_heads, head_dim).contiguous(), self.model_id, i)  # [T, H, D]
-            out = self._product(out.reshape(out.shape[0], -1), out_proj, attention.o_proj)
-            x = x + _row_bias(out, attention.o_proj.bias)
-            gate, up = self._product(layer.post_attention_layernorm(x), gate_up, mlp.gate_up_proj).split(
-                [mlp.inter, mlp.inter], dim=-1
-            )
-            down_out = self._product(F.silu(gate) * up, down, mlp.down_proj)
-            x = x + _row_bias(down_out, mlp.down_proj.bias)
+        for i in range(len(self.layers)):
+            x = self._layer(i, x, cos, sin)
             outputs.append(x)
         final = model.norm(x)
         captured = [final if i == -1 else outputs[i] for i in layers]
         return final, torch.cat(captured, dim=-1) if captured else None
 
-    def _product(self, x: torch.Tensor, index: int, module: ColumnParallelLinear | RowParallelLinear) -> torch.Tensor:
-        """x [T, in] @ the module's weight.T: inside the graph (the module's plain weight, frozen; a column-parallel
-        layer's bias with it, a row-parallel one's added after, as eager) or through the opaque op (registry entry
-        `index`, which holds the same weight and bias)."""
-        if self.templates:
-            bias = module.bias if isinstance(module, ColumnParallelLinear) else None
-            return F.linear(x, module.weight, bias)
-        return _product(x, index)
-
 
 def _unpack_layers(layers: list[DecoderLayer], dtype: torch.dtype) -> None:
-    """The layers' weights back in torch's plain layout (in the model's `dtype`), for the compiler to freeze and
-    lay out for its own kernels: the weights packed for oneDNN at load (`pack_weight`), which the eager forward no
-    longer reads once the forward is compiled."""
+    """The layers' weights back in torch's plain layout, for the compiler to freeze and lay out for its own
+    kernels: the weights packed for oneDNN at load (`pack_weight`), which the eager forward no longer reads once
+    the forward is compiled."""
     for layer in layers:
         for module in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            weight = module.weight
-            if not weight.is_mkldnn:
-                continue
-            if hasattr(weight, ORIGIN) or weight.dtype != dtype:
-                raise ValueError(
-                    "products in the compiled graph need the weights in the model's dtype: these were packed as "
-                    "fp32 copies (a CPU without half kernels); build the model unpacked (build_model(pack=False))"
-                )
-            module.weight = torch.nn.Parameter(weight.to_dense(), requires_grad=False)
+            module.weight = plain_weight(module.weight, dtype)
+
+
+def plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
+    """`weight` in torch's plain layout and the model's `dtype` (a weight packed for oneDNN unpacked)."""
+    if hasattr(weight, ORIGIN) or weight.dtype != dtype:
+        raise ValueError(
+            "products in the compiled graph need the weights in the model's dtype: these were packed as "
+            "fp32 copies (a CPU without half kernels); build the model or head unpacked (pack=False)"
+        )
+    if weight.is_mkldnn:
+        return torch.nn.Parameter(weight.to_dense(), requires_grad=False)
+    return weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight, requires_grad=False)
 
 
 def _row_bias(out: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from shared.model.config import ModelArch
 from shared.model.llama import DecoderLayer, RMSNorm
 from shared.model.parallel import SINGLE, linear, pack_linears, packed_parameter
 from shared.model.rope import RotaryEmbedding, apply_rotary, rotation_tables
+
+if TYPE_CHECKING:
+    from shared.model.compiled_head import CompiledHead
 
 HEAD_ARCHITECTURE = "SpecdecEagleHead"
 CONFIG_FILE = "config.json"
@@ -127,6 +130,14 @@ class EagleHead(torch.nn.Module):
         self.vocab_subset: torch.Tensor
         self.register_buffer("vocab_subset", torch.zeros(draft_vocab_size, dtype=torch.int64))
         self.backend = TorchPagedAttention()
+        self.compiled: CompiledHead | None = None  # set by compile
+
+    def compile(self, templates: bool | None = None) -> None:
+        """After loading and packing: the draft forward and logits as compiled graphs (shared/model/compiled_head.py,
+        the proposer's `--compile`); `templates`: the products made by the graphs (default: where it pays)."""
+        from shared.model.compiled_head import CompiledHead
+
+        self.compiled = CompiledHead(self, templates)
 
     @property
     def draft_vocab_size(self) -> int:
@@ -158,6 +169,8 @@ class EagleHead(torch.nn.Module):
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,  # positions are the head positions j
     ) -> torch.Tensor:  # [T, hidden]: x_j (EAGLE-1: predicted f_{j+1})
+        if self.compiled is not None:
+            return self.compiled(features.to(self.dtype), next_ids, kv_caches, meta)
         x = torch.cat([features.to(self.dtype), F.embedding(next_ids, self.embed_weight)], dim=-1)
         x = linear(x, self.fc_weight, self.fc_bias)
         cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # llama.DecoderLayer's form
@@ -167,6 +180,8 @@ class EagleHead(torch.nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] fp32
+        if self.compiled is not None:
+            return self.compiled.logits(hidden)
         return linear(self.norm(hidden) if self.fused else hidden, self.subset_lm_head).float()
 
     def pack_weights(self) -> None:
@@ -339,9 +354,10 @@ def build_head(
     target_lm_head: torch.Tensor,
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
+    pack: bool = True,
 ):
     """(EagleHead, its ModelArch) from a head folder and the target's embedding and LM head, its weights and
-    KV cache in `dtype`."""
+    KV cache in `dtype`; `pack`: its weights laid out for oneDNN or MKL (parallel.pack_weight), else left plain."""
     config = read_head_config(folder)
     arch = arch_from_config(config)
     if target_embedding.shape != (arch.vocab_size, arch.hidden_size):
@@ -356,5 +372,6 @@ def build_head(
     head = head.to_empty(device=device).to(dtype)
     head.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     head.load(load_head_state(folder), target_embedding, target_lm_head)
-    head.pack_weights()
+    if pack:
+        head.pack_weights()
     return head.eval(), arch
