@@ -171,7 +171,7 @@ def build_draft_model_drafter(config: ProposerConfig) -> tuple[Drafter, Proposer
     cache = CacheConfig(block_size, config.num_kv_blocks, config.attention_backend, config.enable_prefix_caching)
     paged = load_paged_model(
         name, config.max_num_seqs, config.max_model_len, config.max_k, cache, dtype, device, tp_size, "the draft model",
-        config.compile,
+        compile=config.compile,
     )  # fmt: skip
     arch = paged.arch
     grammar = load_grammar_compiler(name, arch.vocab_size, arch.eos_token_ids)

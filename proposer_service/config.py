@@ -8,6 +8,7 @@ from shared.model.dtype import DTYPE_CHOICES
 from shared.tls import TLSConfig
 
 KINDS = ("draft-model", "ngram", "eagle", "suffix")
+MODEL_KINDS = ("draft-model", "eagle")  # the kinds that run a model (what --compile compiles)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class ProposerConfig(TLSConfig):
             raise ValueError(f"--kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
-        if self.compile and self.kind not in ("eagle", "draft-model"):
+        if self.compile and self.kind not in MODEL_KINDS:
             raise ValueError(f"--compile needs --kind eagle or draft-model (a {self.kind} drafter runs no model)")
         if self.tensor_parallel_size > 1 and self.kind != "draft-model":
             raise ValueError(f"--tensor-parallel-size {self.tensor_parallel_size} needs --kind draft-model")

@@ -56,6 +56,7 @@ import grpc
 import numpy as np
 
 from gateway.health_probe import check_once
+from proposer_service.config import MODEL_KINDS
 from shared.malloc_tuning import tune_malloc
 from shared.model.dtype import resolve_head_dtype
 from shared.proto_gen.specdec.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
@@ -382,7 +383,7 @@ def build_stacks(
             if kind == "eagle":
                 assert eagle_head is not None
                 proposer += ["--model", eagle_head, "--target-model", target, "--dtype", head_dtype]
-            if compile and kind in ("eagle", "draft-model"):
+            if compile and kind in MODEL_KINDS:
                 proposer += ["--compile"]
             if base.endswith("-ahead"):
                 proposer += ["--draft-ahead", str(AHEAD)]
