@@ -14,10 +14,14 @@ adaptive_k=False`: the same algorithm; our default adaptive k would turn this we
 engine benchmark's 8 general chat prompts (chat template applied, the same token ids to both), greedy, EOS
 ignored, --max-tokens new tokens each; batch 1 = one prompt after another, batch 8 = all 8 at once.
 
-One engine process at a time (never two at once): per round and row, ours then vLLM (the order flips every
-round), each a fresh process that loads the model, runs one untimed warm-up pass (vLLM compiles its graph
-then) and times batch 1 and batch 8. Ratios are ours / vLLM within a round; medians over --rounds are
-reported. Both run 2 threads on the 2 cores (vLLM: VLLM_CPU_OMP_THREADS_BIND=0-1 by default, see --vllm-bind).
+Interleaved (the default): per row, both engines are loaded once, each in its own long-lived process that runs
+one untimed warm-up pass (vLLM compiles its graph then) and then waits, blocked on a pipe, until asked for one
+timed pass at a batch size (specdec_bench/peer_workers.py). A round is a pass of each at batch 1, then of each at
+batch 8, one engine working at a time, the first flipping every round: on a machine whose speed drifts within
+minutes by more than the gap between the engines, each ratio compares passes seconds apart. --fresh-processes
+runs each round as fresh processes instead, one at a time (load, warm-up, batch 1 and 8). Ratios are ours /
+vLLM within a round; medians over --rounds are reported. Both run 2 threads on the 2 cores (vLLM:
+VLLM_CPU_OMP_THREADS_BIND=0-1 by default, see --vllm-bind).
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+from specdec_bench.peer_workers import Worker, WorkerDied, serve
 from specdec_bench.report import load_average, run_meta, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -106,7 +112,11 @@ def hf_folder(target: str) -> Path:
 # ---- our side (run in a child process: `--ours JOB RESULT`) ----------------------------------------------------
 
 
-def run_ours(job: dict) -> dict:
+def load_ours(job: dict) -> tuple[dict, Callable[[int], dict]]:
+    """Our engine for `job`, loaded and warmed up: what it says when ready, and its timed pass per batch size."""
+    from shared.omp_defaults import apply as apply_omp_defaults
+
+    apply_omp_defaults()  # before torch loads, as the services' packages do
     import torch
 
     from shared.gc_tuning import freeze_startup_heap
@@ -158,34 +168,41 @@ def run_ours(job: dict) -> dict:
     prompts = job["prompts"]
     generate(prompts[: max(batches)], max(batches))  # warm-up, as vLLM's side
     freeze_startup_heap()  # as the services do once started, and vLLM's engine
-    result: dict = {"load_s": load_s, "runs": {}}
-    for batch in batches:
+
+    def run_pass(batch: int) -> dict:
         runs = [generate(prompts, batch) for _ in range(job["reps"])]
-        result["runs"][str(batch)] = {
-            "seconds": [r[0] for r in runs],
-            "outputs": runs[-1][1],
-            "drafted": runs[-1][2],
-            "accepted": runs[-1][3],
-        }
-    return result
+        seconds, outputs, drafted, accepted = [r[0] for r in runs], *runs[-1][1:]
+        return {"seconds": seconds, "outputs": outputs, "drafted": drafted, "accepted": accepted}
+
+    return {"load_s": load_s}, run_pass
 
 
-# ---- one process at a time ----------------------------------------------------------------------------------------
+def run_ours(job: dict) -> dict:
+    ready, run_pass = load_ours(job)
+    return ready | {"runs": {str(batch): run_pass(batch) for batch in job["batches"]}}
+
+
+# ---- the processes ------------------------------------------------------------------------------------------------
+
+
+def engine_command(engine: str, python: Path, bind: str, args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of one `engine` ("ours" or "vllm") process, `args` appended."""
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
+    if engine == "ours":
+        return [sys.executable, "-m", "specdec_bench.peer_bench", *args], env
+    env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # vLLM's venv, nothing of ours
+    env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return [str(python), str(VLLM_SCRIPT), *args], env
 
 
 def run_process(engine: str, job: dict, python: Path, bind: str, log_dir: Path, tag: str) -> dict:
-    """One fresh process of `engine` ("ours" or "vllm") for `job`; its result, or {"error": ...}."""
+    """One fresh process of `engine` for `job`, all batch sizes; its result, or {"error": ...}."""
     with tempfile.TemporaryDirectory() as tmp:
         job_path, result_path = Path(tmp) / "job.json", Path(tmp) / "result.json"
         job_path.write_text(json.dumps(job))
-        env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1")
-        if engine == "vllm":
-            cmd = [str(python), str(VLLM_SCRIPT), str(job_path), str(result_path)]
-            env = {k: v for k, v in env.items() if k != "PYTHONPATH"}  # vLLM's venv, nothing of ours
-            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
-            env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
-        else:
-            cmd = [sys.executable, "-m", "specdec_bench.peer_bench", "--ours", str(job_path), str(result_path)]
+        flag = ["--ours"] if engine == "ours" else []
+        cmd, env = engine_command(engine, python, bind, [*flag, str(job_path), str(result_path)])
         log_path = log_dir / f"{tag}.log"
         with open(log_path, "wb") as log:
             # its own process group: vLLM's engine-core and worker processes go with it when it ends or is stopped
@@ -200,6 +217,55 @@ def run_process(engine: str, job: dict, python: Path, bind: str, log_dir: Path, 
             tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
             return {"error": f"exit {proc.returncode}: {' / '.join(tail)[-400:]} (log {log_path})"}
         return json.loads(result_path.read_text())
+
+
+def run_interleaved(
+    jobs: dict[str, dict], rounds: int, python: Path, bind: str, log_dir: Path, tag: str, say: Callable[[str], None]
+) -> dict[str, list[dict]]:
+    """Both engines' workers loaded (one after the other, so loads do not overlap), then per round a timed pass
+    of each at each batch size in turn, the engine going first flipping every round. Per engine, one result per
+    round in run_process's shape."""
+    results: dict[str, list[dict]] = {engine: [] for engine in jobs}
+    workers: dict[str, Worker] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ready: dict[str, dict] = {}
+            for engine, job in jobs.items():
+                job_path = Path(tmp) / f"{engine}.json"
+                job_path.write_text(json.dumps(job))
+                flag = ["--ours-serve"] if engine == "ours" else ["--serve"]
+                cmd, env = engine_command(engine, python, bind, [*flag, str(job_path)])
+                workers[engine] = Worker(cmd, env, log_dir / f"{engine}-{tag}.log", ROOT, PROCESS_TIMEOUT_S)
+                ready[engine] = workers[engine].wait_ready()
+                say(f"{engine} {tag}: ready (load {ready[engine].get('load_s', 0):.0f} s)")
+            for rnd in range(rounds):
+                order = list(jobs) if rnd % 2 == 0 else list(reversed(jobs))
+                passes: dict[str, dict] = {engine: {} for engine in jobs}
+                for batch in BATCHES:
+                    for engine in order:
+                        passes[engine][str(batch)] = workers[engine].ask({"batch": batch})
+                for engine in jobs:
+                    results[engine].append({"load_s": ready[engine].get("load_s"), "runs": passes[engine]})
+                say(f"round {rnd + 1}/{rounds} {tag}: " + _speeds(results, rnd))
+        except WorkerDied as e:
+            for engine in jobs:
+                results[engine] += [{"error": str(e)}] * (rounds - len(results[engine]))
+        finally:
+            for engine, worker in workers.items():
+                last = worker.stop()
+                if last.get("spec") and results[engine] and "error" not in results[engine][0]:
+                    results[engine][0]["spec"] = last["spec"]  # vLLM's counters cover its whole life: once
+    return results
+
+
+def _speeds(results: dict[str, list[dict]], rnd: int) -> str:
+    def speed(result: dict, batch: int) -> float:
+        run = result["runs"][str(batch)]
+        return len(run["outputs"]) * len(run["outputs"][0]) / statistics.median(run["seconds"])
+
+    return "; ".join(
+        f"batch {b}: " + ", ".join(f"{e} {speed(results[e][rnd], b):.1f}" for e in results) + " tok/s" for b in BATCHES
+    )
 
 
 def _kill_group(pgid: int) -> None:
@@ -229,10 +295,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="docs/BENCHMARKS.md", help="Markdown file to update ('' to skip)")
     parser.add_argument("--json", default="", help="also write the raw results as JSON here")
     parser.add_argument("--logs", default="", help="folder for the processes' logs (default: a temporary one)")
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="each round a fresh process per engine, one at a time (default: both loaded once, passes in turn)",
+    )
     parser.add_argument("--ours", nargs=2, metavar=("JOB", "RESULT"), help=argparse.SUPPRESS)
+    parser.add_argument("--ours-serve", nargs=3, metavar=("JOB", "COMMANDS_FD", "RESULTS_FD"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.ours:
         Path(args.ours[1]).write_text(json.dumps(run_ours(json.loads(Path(args.ours[0]).read_text()))))
+        return 0
+    if args.ours_serve:
+        job = json.loads(Path(args.ours_serve[0]).read_text())
+        serve(int(args.ours_serve[1]), int(args.ours_serve[2]), lambda: load_ours(job))
         return 0
 
     python, version = vllm_python(Path(args.vllm_venv))
@@ -253,37 +329,44 @@ def main(argv: list[str] | None = None) -> int:
     log_dir.mkdir(parents=True, exist_ok=True)
     rows = [(dtype, row) for dtype in args.dtypes.split(",") for row in args.only.split(",")]
     results: dict[tuple[str, str, str], list[dict]] = {}
-    for rnd in range(args.rounds):
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+        if args.json:  # as it goes: a stopped run keeps what it measured
+            Path(args.json).write_text(json.dumps({"/".join(k): v for k, v in results.items()}))
+
+    def jobs_for(dtype: str, row: str) -> dict[str, dict]:
+        base = dict(
+            dtype=dtype, prompts=prompts, batches=list(BATCHES), max_tokens=args.max_tokens, reps=args.reps,
+            max_model_len=MAX_MODEL_LEN, threads=NUM_THREADS,
+            draft=draft if row == "draft" else None, k=K if row == "draft" else 0, compile=args.compile,
+        )  # fmt: skip
+        return {"ours": dict(base, target=target), "vllm": dict(base, model=str(folder), tokenizer=str(folder))}
+
+    if args.fresh_processes:
+        for rnd in range(args.rounds):
+            for dtype, row in rows:
+                jobs = jobs_for(dtype, row)
+                for engine in ["ours", "vllm"] if rnd % 2 == 0 else ["vllm", "ours"]:
+                    t0 = time.monotonic()
+                    tag = f"{engine}-{dtype}-{row}-{rnd}"
+                    out = run_process(engine, jobs[engine], python, args.vllm_bind, log_dir, tag)
+                    results.setdefault((engine, dtype, row), []).append(out)
+                    shown = out.get("error") or ", ".join(
+                        f"batch {b}: {tokens_per_s(out, b, args.max_tokens):.1f} tok/s" for b in BATCHES
+                    )
+                    seconds = time.monotonic() - t0
+                    say(f"round {rnd + 1}/{args.rounds} {engine} {dtype} {row}: {shown} ({seconds:.0f} s)")
+    else:
         for dtype, row in rows:
-            base = dict(
-                dtype=dtype, prompts=prompts, batches=list(BATCHES), max_tokens=args.max_tokens, reps=args.reps,
-                max_model_len=MAX_MODEL_LEN, threads=NUM_THREADS,
-                draft=draft if row == "draft" else None, k=K if row == "draft" else 0, compile=args.compile,
-            )  # fmt: skip
-            jobs = {
-                "ours": dict(base, target=target),
-                "vllm": dict(base, model=str(folder), tokenizer=str(folder)),
-            }
-            order = ["ours", "vllm"] if rnd % 2 == 0 else ["vllm", "ours"]
-            for engine in order:
-                t0 = time.monotonic()
-                out = run_process(
-                    engine, jobs[engine], python, args.vllm_bind, log_dir, f"{engine}-{dtype}-{row}-{rnd}"
-                )
-                results.setdefault((engine, dtype, row), []).append(out)
-                if args.json:  # as it goes: a stopped run keeps what it measured
-                    Path(args.json).write_text(json.dumps({"/".join(k): v for k, v in results.items()}))
-                shown = out.get("error") or ", ".join(
-                    f"batch {b}: {tokens_per_s(out, b, args.max_tokens):.1f} tok/s" for b in BATCHES
-                )
-                print(
-                    f"round {rnd + 1}/{args.rounds} {engine} {dtype} {row}: {shown} ({time.monotonic() - t0:.0f} s)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            tag = f"{dtype}-{row}"
+            by_engine = run_interleaved(jobs_for(dtype, row), args.rounds, python, args.vllm_bind, log_dir, tag, say)
+            for engine, runs in by_engine.items():
+                results[(engine, dtype, row)] = runs
     meta = run_meta("peer_bench", argv, time.monotonic() - started, True, load_start)
     meta |= {"vllm": version, "target": target, "draft": draft, "vllm_bind": args.vllm_bind, "rounds": args.rounds}
     meta |= {"max_tokens": args.max_tokens, "reps": args.reps, "compile": args.compile}
+    meta |= {"interleaved": not args.fresh_processes}
     section = render(summarise(results, rows, args.max_tokens), meta)
     print(section)
     if args.out:
@@ -373,9 +456,17 @@ def render(table: list[dict], meta: dict) -> str:
         f"- Work: the 8 general chat prompts of `specdec_bench.prompts`, greedy, EOS ignored, {meta['max_tokens']} "
         "new tokens each; batch 1: one prompt after another; batch 8: all at once; draft rows: k = "
         f"{K} fixed on both sides",
-        f"- {meta['rounds']} rounds; each round runs every row as a fresh process per engine, one process at a "
-        "time, the order flipping every round; tokens/s = 8 x tokens / wall time after one untimed warm-up pass; "
-        "ratio = ours / vLLM within a round, median over rounds (the per-round ratios in brackets)",
+        f"- {meta['rounds']} rounds; "
+        + (
+            "per row both engines loaded once, each in its own process, and warmed up by one untimed pass; a round "
+            "is one timed pass of each at batch 1, then of each at batch 8, one engine working at a time (the "
+            "other blocked on a pipe), the first flipping every round"
+            if meta.get("interleaved")
+            else "each round runs every row as a fresh process per engine, one process at a time, the order "
+            "flipping every round, after one untimed warm-up pass"
+        )
+        + "; tokens/s = 8 x tokens / wall time; ratio = ours / vLLM within a round, median over rounds (the "
+        "per-round ratios in brackets)",
         "",
         "| dtype | configuration | batch | ours tok/s | vLLM tok/s | ours / vLLM | per round | greedy outputs equal | "
         "our acceptance | vLLM acceptance |",

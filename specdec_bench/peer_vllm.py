@@ -6,12 +6,14 @@ max_tokens, repetitions), loads one `vllm.LLM`, generates greedily with `ignore_
 so compilation and first-touch costs stay out of the timings), and writes a JSON result: per batch size the
 seconds of each repetition, the generated token ids, and the speculative-decoding counters when a draft ran.
 
-    python specdec_bench/peer_vllm.py JOB.json RESULT.json
+    python specdec_bench/peer_vllm.py JOB.json RESULT.json                     # one process, every batch size
+    python specdec_bench/peer_vllm.py --serve JOB.json COMMANDS_FD RESULTS_FD  # peer_bench's interleaved worker
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 
@@ -70,18 +72,46 @@ def spec_counters(llm) -> dict:
     return found
 
 
-def main(argv: list[str]) -> int:
-    with open(argv[1]) as f:
-        job = json.load(f)
+def load(job: dict):
+    """The LLM, warmed up, the seconds its load took, and its timed pass per batch size."""
     start = time.perf_counter()
     llm = make_llm(job)
     load_s = time.perf_counter() - start
     prompts, max_tokens = job["prompts"], job["max_tokens"]
     generate(llm, prompts[: max(job["batches"])], max(job["batches"]), max_tokens)  # warm-up
-    result: dict = {"load_s": load_s, "runs": {}}
-    for batch in job["batches"]:
+
+    def run_pass(batch: int) -> dict:
         runs = [generate(llm, prompts, batch, max_tokens) for _ in range(job["reps"])]
-        result["runs"][str(batch)] = {"seconds": [s for s, _ in runs], "outputs": runs[-1][1]}
+        return {"seconds": [s for s, _ in runs], "outputs": runs[-1][1]}
+
+    return llm, load_s, run_pass
+
+
+def serve(job: dict, commands_fd: int, results_fd: int) -> None:
+    """The interleaved mode's worker (the loop of specdec_bench/peer_workers.py's serve, which this file may not
+    import): ready once warmed up, one timed pass per {"batch": B}, the speculative counters on {"finish": true}."""
+    with os.fdopen(commands_fd) as commands, os.fdopen(results_fd, "w") as results:
+        llm, load_s, run_pass = load(job)
+        results.write(json.dumps({"ready": True, "load_s": load_s}) + "\n")
+        results.flush()
+        for line in commands:
+            message = json.loads(line)
+            answer = {"spec": spec_counters(llm)} if message.get("finish") else run_pass(int(message["batch"]))
+            results.write(json.dumps(answer) + "\n")
+            results.flush()
+            if message.get("finish"):
+                return
+
+
+def main(argv: list[str]) -> int:
+    if argv[1] == "--serve":
+        with open(argv[2]) as f:
+            serve(json.load(f), int(argv[3]), int(argv[4]))
+        return 0
+    with open(argv[1]) as f:
+        job = json.load(f)
+    llm, load_s, run_pass = load(job)
+    result: dict = {"load_s": load_s, "runs": {str(batch): run_pass(batch) for batch in job["batches"]}}
     result["spec"] = spec_counters(llm)
     with open(argv[2], "w") as f:
         json.dump(result, f)
