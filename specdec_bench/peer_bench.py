@@ -220,12 +220,18 @@ def run_process(engine: str, job: dict, python: Path, bind: str, log_dir: Path, 
 
 
 def run_interleaved(
-    jobs: dict[str, dict], rounds: int, python: Path, bind: str, log_dir: Path, tag: str, say: Callable[[str], None]
-) -> dict[str, list[dict]]:
+    jobs: dict[str, dict],
+    results: dict[str, list[dict]],
+    rounds: int,
+    python: Path,
+    bind: str,
+    log_dir: Path,
+    tag: str,
+    say: Callable[[str], None],
+) -> None:
     """Both engines' workers loaded (one after the other, so loads do not overlap), then per round a timed pass
-    of each at each batch size in turn, the engine going first flipping every round. Per engine, one result per
-    round in run_process's shape."""
-    results: dict[str, list[dict]] = {engine: [] for engine in jobs}
+    of each at each batch size in turn, the engine going first flipping every round. Appends to `results[engine]`
+    one result per round, in run_process's shape, as each round ends."""
     workers: dict[str, Worker] = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
@@ -255,7 +261,6 @@ def run_interleaved(
                 last = worker.stop()
                 if last.get("spec") and results[engine] and "error" not in results[engine][0]:
                     results[engine][0]["spec"] = last["spec"]  # vLLM's counters cover its whole life: once
-    return results
 
 
 def _speeds(results: dict[str, list[dict]], rnd: int) -> str:
@@ -360,9 +365,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         for dtype, row in rows:
             tag = f"{dtype}-{row}"
-            by_engine = run_interleaved(jobs_for(dtype, row), args.rounds, python, args.vllm_bind, log_dir, tag, say)
-            for engine, runs in by_engine.items():
-                results[(engine, dtype, row)] = runs
+            by_engine = {engine: results.setdefault((engine, dtype, row), []) for engine in ("ours", "vllm")}
+            run_interleaved(jobs_for(dtype, row), by_engine, args.rounds, python, args.vllm_bind, log_dir, tag, say)
     meta = run_meta("peer_bench", argv, time.monotonic() - started, True, load_start)
     meta |= {"vllm": version, "target": target, "draft": draft, "vllm_bind": args.vllm_bind, "rounds": args.rounds}
     meta |= {"max_tokens": args.max_tokens, "reps": args.reps, "compile": args.compile}
