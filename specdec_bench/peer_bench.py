@@ -27,11 +27,9 @@ VLLM_CPU_OMP_THREADS_BIND=0-1 by default, see --vllm-bind).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -40,7 +38,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from specdec_bench.peer_workers import Worker, WorkerDied, serve
+from specdec_bench.peer_workers import Worker, WorkerDied, kill_group, serve, why_it_ended
 from specdec_bench.report import load_average, run_meta, write_report
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,10 +210,9 @@ def run_process(engine: str, job: dict, python: Path, bind: str, log_dir: Path, 
             try:
                 proc.wait(timeout=PROCESS_TIMEOUT_S)
             finally:
-                _kill_group(proc.pid)
+                kill_group(proc.pid)
         if proc.returncode != 0 or not result_path.is_file():
-            tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
-            return {"error": f"exit {proc.returncode}: {' / '.join(tail)[-400:]} (log {log_path})"}
+            return {"error": why_it_ended(proc.returncode, log_path)}
         return json.loads(result_path.read_text())
 
 
@@ -252,7 +249,7 @@ def run_interleaved(
                         passes[engine][str(batch)] = workers[engine].ask({"batch": batch})
                 for engine in jobs:
                     results[engine].append({"load_s": ready[engine].get("load_s"), "runs": passes[engine]})
-                say(f"round {rnd + 1}/{rounds} {tag}: " + _speeds(results, rnd))
+                say(f"round {rnd + 1}/{rounds} {tag}: " + _speeds(results, rnd, jobs["ours"]["max_tokens"]))
         except WorkerDied as e:
             for engine in jobs:
                 results[engine] += [{"error": str(e)}] * (rounds - len(results[engine]))
@@ -263,19 +260,11 @@ def run_interleaved(
                     results[engine][0]["spec"] = last["spec"]  # vLLM's counters cover its whole life: once
 
 
-def _speeds(results: dict[str, list[dict]], rnd: int) -> str:
-    def speed(result: dict, batch: int) -> float:
-        run = result["runs"][str(batch)]
-        return len(run["outputs"]) * len(run["outputs"][0]) / statistics.median(run["seconds"])
+def _speeds(results: dict[str, list[dict]], rnd: int, max_tokens: int) -> str:
+    def speeds(batch: int) -> str:
+        return ", ".join(f"{e} {tokens_per_s(results[e][rnd], batch, max_tokens):.1f}" for e in results)
 
-    return "; ".join(
-        f"batch {b}: " + ", ".join(f"{e} {speed(results[e][rnd], b):.1f}" for e in results) + " tok/s" for b in BATCHES
-    )
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, signal.SIGKILL)
+    return "; ".join(f"batch {b}: {speeds(b)} tok/s" for b in BATCHES)
 
 
 def tokens_per_s(result: dict, batch: int, max_tokens: int) -> float | None:

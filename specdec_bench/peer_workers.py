@@ -70,8 +70,7 @@ class Worker:
         except WorkerDied:
             return {}
         finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_group(self.proc.pid)
             self.proc.wait()
             with contextlib.suppress(BrokenPipeError):  # a command still buffered for a worker that is gone
                 self._commands.close()
@@ -92,8 +91,19 @@ class Worker:
         raise WorkerDied(f"no answer in {self.timeout_s:.0f} s ({self._why()})")
 
     def _why(self) -> str:
-        tail = self.log_path.read_text(errors="replace").strip().splitlines()[-3:]
-        return f"exit {self.proc.poll()}: {' / '.join(tail)[-400:]} (log {self.log_path})"
+        return why_it_ended(self.proc.poll(), self.log_path)
+
+
+def why_it_ended(returncode: int | None, log_path: Path) -> str:
+    """An engine process's exit status and the last lines of its log, for the report."""
+    tail = log_path.read_text(errors="replace").strip().splitlines()[-3:]
+    return f"exit {returncode}: {' / '.join(tail)[-400:]} (log {log_path})"
+
+
+def kill_group(pgid: int) -> None:
+    """The engine process and every process it started (vLLM's engine core and workers)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pgid, signal.SIGKILL)
 
 
 def serve(commands_fd: int, results_fd: int, load: Callable[[], tuple[dict, Callable[[int], dict]]]) -> None:

@@ -87,8 +87,9 @@ _model_ids = itertools.count()
 
 
 # The opaque ops are registered through torch.library.Library rather than the torch.library.custom_op decorator:
-# the decorator's Python wrapper cost ~45 us a call at batch 1 and ~60-100 us at batch 8 around the attention's
-# ~200-400 (2 cores, AMX host, 2026-12-03), 30-60 us of it saved at every one of a step's 30 layers.
+# over the attention's body (185-450 us), the decorator's Python wrapper cost 25-45 us a call at batch 1 and
+# 67-107 at batch 8, a Library op's dispatch 12-13 and 26-43 (2 cores, AMX host, 2026-12-03): in one run 30 and
+# 64 us saved a call, at each of a step's 30 layers.
 _LIBRARY = torch.library.Library("specdec", "DEF")
 _LIBRARY.define("product(Tensor x, int index) -> Tensor")
 # K/V are written into the caches, which the graph never reads: nothing it computes depends on that mutation.
