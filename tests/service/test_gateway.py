@@ -73,6 +73,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     time_remaining: list[float | None] = field(default_factory=list)
     eos_token_ids: tuple[int, ...] = ()  # reported in GetStats
     keepalive_s: float = 0.0  # first: empty messages every 0.1 s for this long (the request waits its turn)
+    hold: asyncio.Event | None = None  # the final message waits until the test sets this
 
     def chunks(self, request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
         if self.script is not None:
@@ -105,6 +106,8 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
                 msg = verifier_pb2.VerifierGenerateResponse(
                     token_ids=chunk, drafted_tokens=3 * steps, accepted_tokens=sent - steps
                 )
+                if i == len(chunks) - 1 and self.hold is not None:
+                    await self.hold.wait()
                 if i == len(chunks) - 1 and not (self.hang or self.abort_at_end):
                     msg.finish_reason = self.finish_reason
                     if self.stop_token_id is not None:
@@ -338,7 +341,10 @@ BAD_REQUESTS: list[tuple[dict[str, Any], str]] = [
 
 def test_bad_input_is_invalid_argument_and_leaves_running_requests_alone(tokenizer):
     async def scenario() -> None:
-        fs = await start_fake(delay=0.02)
+        # The running request's last message waits for the test, so it is still running however slowly
+        # the bad requests go by (a fixed delay per message lost that race on a loaded CI machine).
+        release = asyncio.Event()
+        fs = await start_fake(delay=0.01, hold=release)
         async with Harness(tokenizer, [fs]) as h:
             running = asyncio.create_task(h.generate(prompt_token_ids=[1, 2], max_tokens=40))
             await asyncio.sleep(0.05)
@@ -348,6 +354,7 @@ def test_bad_input_is_invalid_argument_and_leaves_running_requests_alone(tokeniz
                     h.stub.Complete(gateway_pb2.CompleteRequest(**fields)), grpc.StatusCode.INVALID_ARGUMENT, message
                 )
             assert not running.done()
+            release.set()
             ids, _ = joined(await running)
             assert ids == counting(2, 40)
             assert len(fs.fake.requests) == 1  # no bad request reached the verifier

@@ -61,7 +61,8 @@ def test_grpc_formats_reach_the_verifier_and_bad_ones_are_refused_before_routing
     ]
 
     async def scenario() -> None:
-        fs = await start_fake(delay=0.05)
+        release = asyncio.Event()  # the stream's last message waits for it: still running, however slow the host
+        fs = await start_fake(delay=0.01, hold=release)
         async with Harness(tokenizer, [fs]) as h:
             # A stream with a format runs on while bad formats are refused beside it.
             running = asyncio.create_task(
@@ -85,6 +86,7 @@ def test_grpc_formats_reach_the_verifier_and_bad_ones_are_refused_before_routing
                 "structured output regex is empty",
             )
             assert not running.done() and fs.fake.active == 1
+            release.set()
             assert joined(await running)[0] == counting(2, 40)
             assert len(fs.fake.requests) == 1  # no bad format reached the verifier
 
