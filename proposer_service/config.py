@@ -119,7 +119,7 @@ class ProposerConfig(TLSConfig):
             "EAGLE head on 2 cores); the verifier's output does not depend on it"
         },
     )
-    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu or flash"})
     grace_period_s: float = field(default=5.0, metadata={"help": "on SIGTERM, seconds to let open streams finish"})
     metrics_port: int = field(
         default=0, metadata={"help": "Prometheus /metrics port on --host (0: no endpoint); traces: OTEL_* variables"}

@@ -75,12 +75,14 @@ def forward_table(paged, toggle, pairs: int, steps: int) -> list[str]:
     return lines
 
 
-def engine_table(paged, toggle, prompts: list[list[int]], pairs: int, max_tokens: int) -> list[str]:
-    return [engine_row(paged, toggle, prompts, batch, pairs, max_tokens) for batch in (1, 8)]
+def engine_table(paged, toggle, prompts: list[list[int]], pairs: int, max_tokens: int, which=None) -> list[str]:
+    return [engine_row(paged, toggle, prompts, batch, pairs, max_tokens, which) for batch in (1, 8)]
 
 
-def engine_row(paged, toggle, prompts: list[list[int]], batch: int, pairs: int, max_tokens: int) -> str:
-    """Target-only greedy decoding of every prompt, `batch` at a time, each way; tokens/s and outputs compared."""
+def engine_row(paged, toggle, prompts: list[list[int]], batch: int, pairs: int, max_tokens: int, which=None) -> str:
+    """Target-only greedy decoding of every prompt, `batch` at a time, each way; tokens/s and outputs compared.
+    `which()`: the way now toggled on (default: whether the runner's model is the compiled one)."""
+    which = which or (lambda: paged.runner.model.compiled is not None)
     engine = engine_on(paged, None, EngineConfig(num_speculative_tokens=0, max_num_seqs=8, max_model_len=1024))
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     outputs: dict[bool, list[list[int]]] = {}
@@ -95,7 +97,7 @@ def engine_row(paged, toggle, prompts: list[list[int]], batch: int, pairs: int, 
             while engine.has_unfinished():
                 for step_out in engine.step():
                     out.setdefault(step_out.request_id, []).extend(step_out.new_token_ids)
-        outputs[paged.runner.model.compiled is not None] = [out[name] for name in names]
+        outputs[which()] = [out[name] for name in names]
 
     eager, compiled = alternate(run, pairs, toggle)
     tokens = len(prompts) * max_tokens

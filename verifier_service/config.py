@@ -137,7 +137,7 @@ class VerifierConfig(TLSConfig):
         },
     )
     device: str = field(default="auto", metadata={"help": "cpu, cuda, cuda:N, or auto (cuda when available)"})
-    attention_backend: str = field(default="auto", metadata={"help": "auto, torch or flash"})
+    attention_backend: str = field(default="auto", metadata={"help": "auto, torch, cpu or flash"})
     compile: bool = field(
         default=False,
         metadata={

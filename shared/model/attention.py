@@ -78,6 +78,50 @@ class SeqSpan:
 
 
 @dataclass(frozen=True)
+class KernelRows:
+    """The step for the cpu kernel, which reads each row's keys straight from the block table: row t of the
+    step's T rows sees the first `row_keys[t]` positions of its sequence, then `extra_keys[extra_start[t] :
+    extra_start[t + 1]]` (a tree node's path past the committed prefix, ascending)."""
+
+    block_tables: torch.Tensor  # [B, max_blocks] int64 (padded with block 0, never read)
+    seq_start: torch.Tensor  # [B + 1] int32: first row of each sequence
+    row_keys: torch.Tensor  # [T] int32
+    extra_start: torch.Tensor  # [T + 1] int32
+    extra_keys: torch.Tensor  # [max(1, E)] int32
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_start.numel() - 1
+
+
+def kernel_rows(spans: list[SeqSpan]) -> KernelRows:
+    seq_start, extra_start = [0], [0]
+    row_keys: list[int] = []
+    extra_keys: list[int] = []
+    for span in spans:
+        seq_start.append(seq_start[-1] + span.num_new)
+        nodes = 0 if span.tree is None else len(span.tree.positions)
+        causal = span.num_new - nodes
+        row_keys.extend(range(span.num_cached + 1, span.num_cached + causal + 1))
+        extra_start.extend([extra_start[-1]] * causal)
+        if span.tree is not None:
+            for visible in span.tree.visible:
+                row_keys.append(span.tree.prefix_len)
+                extra_keys.extend(visible)
+                extra_start.append(len(extra_keys))
+    max_blocks = max(len(s.block_table) for s in spans)
+    tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans]
+    int32 = torch.int32
+    return KernelRows(
+        block_tables=torch.tensor(tables, dtype=torch.int64),
+        seq_start=torch.tensor(seq_start, dtype=int32),
+        row_keys=torch.tensor(row_keys, dtype=int32),
+        extra_start=torch.tensor(extra_start, dtype=int32),
+        extra_keys=torch.tensor(extra_keys or [0], dtype=int32),
+    )
+
+
+@dataclass(frozen=True)
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] int64: cache slot each new token's K/V is written to
     positions: torch.Tensor  # [T] int64
@@ -92,6 +136,7 @@ class AttentionMetadata:
     # The fields above that only attention reads are then empty: the groups carry their own.
     groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     has_tree: bool = False  # some query is a tree node: its mask is not causal (a causal-only kernel cannot run it)
+    kernel_rows: KernelRows | None = None  # the whole step for the cpu kernel (build_metadata(kernel=True))
     # init=False: a copy made with dataclasses.replace starts empty rather than with masks of another attn_mask
     _grouped_masks: dict[tuple[int, torch.dtype, int], torch.Tensor] = field(
         default_factory=dict, init=False, compare=False, repr=False
@@ -118,7 +163,31 @@ class AttentionMetadata:
         return mask
 
 
-def build_metadata(spans: list[SeqSpan], block_size: int, device: torch.device | str = "cpu") -> AttentionMetadata:
+def build_metadata(
+    spans: list[SeqSpan], block_size: int, device: torch.device | str = "cpu", kernel: bool = False
+) -> AttentionMetadata:
+    """The step's metadata, once for every layer; `kernel`: for the cpu kernel (the backend's `whole_step`),
+    which reads only the K/V slots, positions and `kernel_rows`, and none of the masks and calls built here."""
+    if not kernel:
+        return _build_calls(spans, block_size, device)
+    slots, positions = _slots_and_positions(spans, block_size)
+    query_lens = [s.num_new for s in spans]
+    empty = torch.empty(0, dtype=torch.int64)
+    return AttentionMetadata(
+        has_tree=any(span.tree is not None for span in spans),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        block_tables=empty,
+        context_lens=empty,
+        query_lens=query_lens,
+        max_query_len=max(query_lens),
+        query_pad_index=None,
+        attn_mask=torch.empty(0, dtype=torch.bool),
+        kernel_rows=kernel_rows(spans),
+    )
+
+
+def _build_calls(spans: list[SeqSpan], block_size: int, device: torch.device | str) -> AttentionMetadata:
     calls = _attention_calls(spans, block_size, device)
     if len(calls) == 1:
         return _build_one(spans, block_size, device)
@@ -184,7 +253,10 @@ def _slots_and_positions(spans: list[SeqSpan], block_size: int) -> tuple[list[in
 
 def paged_attention(backend, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """q [T, H, D] -> [T, H, D]: one backend call, or one per group of a split step. A group with tree nodes
-    runs the torch backend whatever `backend` is: flash-attn's paged kernel knows only causal masks."""
+    runs the torch backend whatever `backend` is: flash-attn's paged kernel knows only causal masks. The cpu
+    kernel takes the whole step, trees included, in one call."""
+    if uses_kernel(backend):
+        return backend(q, k_cache, v_cache, meta, scale)
     if meta.groups is None:
         return _backend_for(backend, meta)(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
@@ -192,6 +264,11 @@ def paged_attention(backend, q, k_cache, v_cache, meta: AttentionMetadata, scale
         call = _backend_for(backend, group)
         out.index_copy_(0, rows, call(q.index_select(0, rows), k_cache, v_cache, group, scale))
     return out
+
+
+def uses_kernel(backend) -> bool:
+    """Whether `backend` takes a whole step from metadata built with `kernel=True` (the cpu kernel)."""
+    return getattr(backend, "whole_step", False)
 
 
 def _backend_for(backend, meta: AttentionMetadata):
@@ -344,10 +421,29 @@ def resolve_block_size(block_size: int, attention_backend: str, device: torch.de
     return FLASH_BLOCK_SIZE if flash else DEFAULT_BLOCK_SIZE
 
 
-def select_backend(name: str, device: torch.device | str, block_size: int):
-    """'auto' picks flash-attn on CUDA when installed and the block size allows it, else torch."""
+def select_backend(
+    name: str,
+    device: torch.device | str,
+    block_size: int,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+):
+    """'auto' picks flash-attn on CUDA when installed and the block size allows it; on the CPU the cpu kernel
+    where it builds and runs the cache's dtype and head size (float32 or bfloat16; see cpu_attention), else torch."""
     on_cuda = torch.device(device).type == "cuda"
     flash_ok = flash_attn_with_kvcache is not None and on_cuda and block_size % 256 == 0
+    if name in ("cpu", "auto") and not on_cuda:
+        from shared.model import cpu_attention  # it builds and loads a C++ kernel: only where asked for
+
+        lib = cpu_attention.load_kernel() if cpu_attention.supports(dtype, head_dim) else None
+        if lib is not None:
+            log.info("attention backend cpu on %s (the paged kernel, %s)", device, dtype)
+            return cpu_attention.CpuPagedAttention(lib)
+        if name == "cpu":
+            raise ValueError(
+                f"attention backend 'cpu' needs a C++ compiler, a CPU device, float32 or bfloat16 and a head size in "
+                f"{cpu_attention.HEAD_SIZES} (here {dtype}, head size {head_dim})"
+            )
     if name == "torch" or (name == "auto" and not flash_ok):
         if name == "auto" and on_cuda:  # never silently: say why the GPU runs the gather + SDPA path
             why = "flash-attn is not installed" if flash_attn_with_kvcache is None else f"block_size {block_size}"
@@ -367,7 +463,7 @@ def select_backend(name: str, device: torch.device | str, block_size: int):
             block_size,
         )
         return FlashPagedAttention()
-    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch or flash)")
+    raise ValueError(f"unknown attention backend {name!r} (choose auto, torch, cpu or flash)")
 
 
 def default_scale(head_dim: int) -> float:

@@ -75,7 +75,7 @@ class _Product:
 
 @dataclass
 class _StepContext:
-    backend: Any  # the owner's paged attention (TorchPagedAttention or FlashPagedAttention)
+    backend: Any  # the owner's paged attention (TorchPagedAttention, CpuPagedAttention or FlashPagedAttention)
     scale: float  # the attention's softmax scale, every layer's
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     meta: AttentionMetadata | None = None
@@ -266,6 +266,8 @@ class CompiledForward(CompiledLayers):
         graph = self.graphs.get(layers)
         if graph is None:
             graph = self.graphs[layers] = torch.compile(self._body_for(layers), dynamic=True, fullgraph=True)
+        # The model's backend as it is now: a runner picks it after the model may have been compiled.
+        _CONTEXTS[self.model_id].backend = self.model.backend
         return self._run(graph, kv_caches, meta, input_ids, meta.positions)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] fp32

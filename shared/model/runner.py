@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, TreeSpec, build_metadata, select_backend
+from shared.model.attention import SeqSpan, TreeSpec, build_metadata, select_backend, uses_kernel
 from shared.model.llama import LlamaModel
 
 FINAL_LAYER = (-1,)  # the features of an EAGLE-1 head: the final normed hidden states
@@ -35,7 +35,14 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = model.embed_tokens.weight.device
-        model.backend = select_backend(attention_backend, self.device, cache.block_size)
+        k_cache = cache.layers[0][0] if cache.layers else None
+        model.backend = select_backend(
+            attention_backend,
+            self.device,
+            cache.block_size,
+            None if k_cache is None else k_cache.dtype,
+            None if k_cache is None else k_cache.shape[-1],
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -52,7 +59,7 @@ class ModelRunner:
         same pass that scored them: the hidden states of `layers` (decoder layer i's output; -1 the final
         normed state), concatenated [len(token_ids), len(layers) * hidden]."""
         spans = [it.span() for it in items]
-        meta = build_metadata(spans, self.cache.block_size, self.device)
+        meta = build_metadata(spans, self.cache.block_size, self.device, kernel=uses_kernel(self.model.backend))
         input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=self.device)
         if tuple(layers) == FINAL_LAYER:
             hidden = features = self.model(input_ids, self.cache.layers, meta)  # [T, hidden]

@@ -73,7 +73,7 @@ def serve(channel, runner) -> int:
     """The worker loop; returns the exit code."""
     import torch
 
-    from shared.model.attention import build_metadata
+    from shared.model.attention import build_metadata, uses_kernel
     from shared.model.tp_group import decode_items
 
     model, cache, device = runner.model, runner.cache, runner.device
@@ -89,7 +89,7 @@ def serve(channel, runner) -> int:
             if op == "forward":
                 items = decode_items(message["items"])
                 spans = [it.span() for it in items]
-                meta = build_metadata(spans, cache.block_size, device)
+                meta = build_metadata(spans, cache.block_size, device, kernel=uses_kernel(model.backend))
                 input_ids = torch.tensor([t for it in items for t in it.token_ids], dtype=torch.int64, device=device)
                 model(input_ids, cache.layers, meta)  # writes this rank's K/V; hidden states are not needed here
                 steps += 1
