@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from shared.kv.cache import KVCache
-from shared.model.attention import SeqSpan, build_metadata
+from shared.model.attention import SeqSpan, build_metadata, uses_kernel
 from shared.model.llama import LlamaModel
 
 BLOCK_SIZE = 16
@@ -58,7 +58,7 @@ class TargetFeatures:
                 raise ValueError(f"a row of {len(row)} tokens does not fit a feature cache of {self.max_tokens}")
             spans.append(SeqSpan(list(range(next_block, next_block + blocks)), 0, len(row)))
             next_block += blocks
-        meta = build_metadata(spans, BLOCK_SIZE)
+        meta = build_metadata(spans, BLOCK_SIZE, kernel=uses_kernel(self.model.backend))
         input_ids = torch.cat([r.long() for r in rows])
         final, captured = self.model.forward_with_layers(input_ids, self.cache.layers, meta, self.layers)
         assert captured is not None

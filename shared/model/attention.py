@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -137,6 +137,7 @@ class AttentionMetadata:
     groups: list[tuple[torch.Tensor, AttentionMetadata]] | None = None
     has_tree: bool = False  # some query is a tree node: its mask is not causal (a causal-only kernel cannot run it)
     kernel_rows: KernelRows | None = None  # the whole step for the cpu kernel (build_metadata(kernel=True))
+    spans: tuple[SeqSpan, ...] = field(default=(), compare=False, repr=False)  # what it was built from
     # init=False: a copy made with dataclasses.replace starts empty rather than with masks of another attn_mask
     _grouped_masks: dict[tuple[int, torch.dtype, int], torch.Tensor] = field(
         default_factory=dict, init=False, compare=False, repr=False
@@ -145,6 +146,13 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    def rows_for_kernel(self) -> KernelRows:
+        """kernel_rows, built on the first layer's call where the metadata was built for another backend."""
+        if self.kernel_rows is None:
+            object.__setattr__(self, "kernel_rows", kernel_rows(list(self.spans)))
+        assert self.kernel_rows is not None
+        return self.kernel_rows
 
     def grouped_mask(self, group: int, dtype: torch.dtype, padding: int = 0) -> torch.Tensor:
         """attn_mask as SDPA's additive mask in the queries' dtype (0 attend, -inf not), every query row repeated
@@ -169,7 +177,7 @@ def build_metadata(
     """The step's metadata, once for every layer; `kernel`: for the cpu kernel (the backend's `whole_step`),
     which reads only the K/V slots, positions and `kernel_rows`, and none of the masks and calls built here."""
     if not kernel:
-        return _build_calls(spans, block_size, device)
+        return replace(_build_calls(spans, block_size, device), spans=tuple(spans))
     slots, positions = _slots_and_positions(spans, block_size)
     query_lens = [s.num_new for s in spans]
     empty = torch.empty(0, dtype=torch.int64)
@@ -184,6 +192,7 @@ def build_metadata(
         query_pad_index=None,
         attn_mask=torch.empty(0, dtype=torch.bool),
         kernel_rows=kernel_rows(spans),
+        spans=tuple(spans),
     )
 
 

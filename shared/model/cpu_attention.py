@@ -102,8 +102,7 @@ class CpuPagedAttention:
         self._functions = {dtype: getattr(lib, name) for dtype, name in DTYPES.items()}
 
     def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        rows = meta.kernel_rows
-        assert rows is not None, "the cpu attention backend reads metadata built with build_metadata(kernel=True)"
+        rows = meta.rows_for_kernel()  # built with the metadata where build_metadata(kernel=True)
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         q = q.contiguous()  # [T, H, D]
         out = torch.empty_like(q)
@@ -115,3 +114,14 @@ class CpuPagedAttention:
             rows.num_seqs, q.shape[1], kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
         )  # fmt: skip
         return out
+
+
+def main() -> None:
+    """`python -m shared.model.cpu_attention` (make setup): build the kernel now rather than at a service's start."""
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    lib = load_kernel()
+    print(f"cpu attention kernel: {lib._name if lib is not None else 'not built; auto runs the torch backend'}")
+
+
+if __name__ == "__main__":
+    main()

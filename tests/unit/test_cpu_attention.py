@@ -146,3 +146,17 @@ def test_the_build_lands_in_the_kernel_cache_once_per_source(monkeypatch, tmp_pa
         assert cpu_attention.load_kernel() is not None and built[0].stat().st_mtime_ns == stamp  # reused
     finally:
         cpu_attention.load_kernel.cache_clear()
+
+
+def test_metadata_built_for_another_backend_still_serves_the_kernel(kernel):
+    """A caller that builds the step's metadata without kernel=True (the trainer's feature pass did) gets the
+    same output: the kernel's rows are built from the metadata's spans on the first call."""
+    spans = mixed_step()
+    k_cache, v_cache = caches(32, 64, torch.float32)
+    q = queries(sum(s.num_new for s in spans), 64, torch.float32)
+    plain = build_metadata(spans, BLOCK)
+    assert plain.kernel_rows is None
+    got = paged_attention(kernel, q, k_cache, v_cache, plain, 0.125)
+    assert torch.equal(
+        got, paged_attention(kernel, q, k_cache, v_cache, build_metadata(spans, BLOCK, kernel=True), 0.125)
+    )
