@@ -19,12 +19,9 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
-
-if TYPE_CHECKING:  # attention.select_backend imports this module when it picks the cpu backend
-    from shared.model.attention import AttentionMetadata
 
 log = logging.getLogger("specdec.attention")
 
@@ -101,7 +98,8 @@ class CpuPagedAttention:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._functions = {dtype: getattr(lib, name) for dtype, name in DTYPES.items()}
 
-    def __call__(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    def __call__(self, q, k_cache, v_cache, meta: Any, scale: float) -> torch.Tensor:
+        # meta: an attention.AttentionMetadata (not imported: attention imports this module, not the reverse)
         rows = meta.rows_for_kernel()  # built with the metadata where build_metadata(kernel=True)
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         q = q.contiguous()  # [T, H, D]
