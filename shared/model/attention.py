@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -109,11 +109,9 @@ def kernel_rows(spans: list[SeqSpan]) -> KernelRows:
                 row_keys.append(span.tree.prefix_len)
                 extra_keys.extend(visible)
                 extra_start.append(len(extra_keys))
-    max_blocks = max(len(s.block_table) for s in spans)
-    tables = [s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans]
     int32 = torch.int32
     return KernelRows(
-        block_tables=torch.tensor(tables, dtype=torch.int64),
+        block_tables=_padded_tables(spans),
         seq_start=torch.tensor(seq_start, dtype=int32),
         row_keys=torch.tensor(row_keys, dtype=int32),
         extra_start=torch.tensor(extra_start, dtype=int32),
@@ -177,22 +175,28 @@ def build_metadata(
     """The step's metadata, once for every layer; `kernel`: for the cpu kernel (the backend's `whole_step`),
     which reads only the K/V slots, positions and `kernel_rows`, and none of the masks and calls built here."""
     if not kernel:
-        return replace(_build_calls(spans, block_size, device), spans=tuple(spans))
+        return _build_calls(spans, block_size, device)
+    return _rows_only(spans, block_size, device, kernel_rows=kernel_rows(spans))
+
+
+def _rows_only(spans: list[SeqSpan], block_size: int, device: torch.device | str, **fields) -> AttentionMetadata:
+    """Metadata whose attention-only fields are empty: a split step's (its `groups` carry their own) and the
+    cpu kernel's (its `kernel_rows` instead)."""
     slots, positions = _slots_and_positions(spans, block_size)
     query_lens = [s.num_new for s in spans]
-    empty = torch.empty(0, dtype=torch.int64)
+    empty = torch.empty(0, dtype=torch.int64, device=device)
     return AttentionMetadata(
         has_tree=any(span.tree is not None for span in spans),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64),
-        positions=torch.tensor(positions, dtype=torch.int64),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        positions=torch.tensor(positions, dtype=torch.int64, device=device),
         block_tables=empty,
         context_lens=empty,
         query_lens=query_lens,
         max_query_len=max(query_lens),
         query_pad_index=None,
-        attn_mask=torch.empty(0, dtype=torch.bool),
-        kernel_rows=kernel_rows(spans),
+        attn_mask=torch.empty(0, dtype=torch.bool, device=device),
         spans=tuple(spans),
+        **fields,
     )
 
 
@@ -207,21 +211,7 @@ def _build_calls(spans: list[SeqSpan], block_size: int, device: torch.device | s
     for members in calls:
         rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in members]).to(device)
         groups.append((rows, _build_one([spans[b] for b in members], block_size, device)))
-    query_lens = [s.num_new for s in spans]
-    slots, positions = _slots_and_positions(spans, block_size)
-    empty = torch.empty(0, dtype=torch.int64, device=device)
-    return AttentionMetadata(
-        has_tree=any(span.tree is not None for span in spans),
-        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-        positions=torch.tensor(positions, dtype=torch.int64, device=device),
-        block_tables=empty,
-        context_lens=empty,
-        query_lens=query_lens,
-        max_query_len=max(query_lens),
-        query_pad_index=None,
-        attn_mask=torch.empty(0, dtype=torch.bool, device=device),
-        groups=groups,
-    )
+    return _rows_only(spans, block_size, device, groups=groups)
 
 
 def _attention_calls(spans: list[SeqSpan], block_size: int, device: torch.device | str) -> list[list[int]]:
@@ -288,8 +278,8 @@ def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str
     slots, positions = _slots_and_positions(spans, block_size)
     query_lens = [s.num_new for s in spans]
     max_query_len = max(query_lens)
-    max_blocks = max(len(s.block_table) for s in spans)
-    tables = torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans], dtype=torch.int64)
+    tables = _padded_tables(spans)
+    max_blocks = tables.shape[1]
     context_lens = torch.tensor([s.num_cached + s.num_new for s in spans], dtype=torch.int32)
 
     pad_index = None  # equal query lengths (decode steps, every sequence drafting k): already in padded order
@@ -319,7 +309,13 @@ def _build_one(spans: list[SeqSpan], block_size: int, device: torch.device | str
         max_query_len=max_query_len,
         query_pad_index=None if pad_index is None else pad_index.to(device),
         attn_mask=mask.unsqueeze(1).to(device),
+        spans=tuple(spans),
     )
+
+
+def _padded_tables(spans: list[SeqSpan]) -> torch.Tensor:  # [B, max_blocks] int64, padded with block 0
+    max_blocks = max(len(s.block_table) for s in spans)
+    return torch.tensor([s.block_table + [0] * (max_blocks - len(s.block_table)) for s in spans], dtype=torch.int64)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata):

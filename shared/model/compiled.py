@@ -41,8 +41,6 @@ Inductor's cache). fp32 keeps the opaque products: MKL's packed ones were slower
 from __future__ import annotations
 
 import itertools
-import os
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -51,6 +49,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
+from shared.model import cpu_attention
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.mkl_product import ORIGIN
 from shared.model.parallel import (
@@ -146,7 +145,7 @@ def products_in_graph(dtype: torch.dtype) -> bool:
 
 def has_cpp_compiler() -> bool:
     """Inductor's CPU backend builds its kernels with the system's C++ compiler (`$CXX`, else g++ or clang++)."""
-    return any(shutil.which(name) for name in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if name)
+    return cpu_attention.compiler() is not None
 
 
 def check_can_compile(device: torch.device) -> None:

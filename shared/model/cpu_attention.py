@@ -35,6 +35,7 @@ HEAD_SIZES = (16, 32, 64, 96, 128, 256)  # the kernel's builds (each a template 
 
 
 def compiler() -> str | None:
+    """The system's C++ compiler (`$CXX`, else g++, c++ or clang++), as torch.compile's CPU backend finds one."""
     return next((c for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c and shutil.which(c)), None)
 
 
@@ -104,7 +105,7 @@ class CpuPagedAttention:
         assert k_cache.is_contiguous() and v_cache.is_contiguous()
         q = q.contiguous()  # [T, H, D]
         out = torch.empty_like(q)
-        num_blocks, block_size, kv_heads, head_dim = k_cache.shape
+        _, block_size, kv_heads, head_dim = k_cache.shape
         self._functions[q.dtype](
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), out.data_ptr(),
             rows.block_tables.data_ptr(), rows.block_tables.shape[1], rows.seq_start.data_ptr(),
