@@ -52,8 +52,9 @@ def _cpu_features() -> str:
 
 
 @functools.cache
-def load_kernel() -> ctypes.CDLL | None:
-    """The built kernel, building it on first use; None (logged) where it cannot be built or loaded."""
+def load_kernel(source: Path = SOURCE) -> ctypes.CDLL | None:
+    """The built kernel, building it on first use; None (logged) where it cannot be built or loaded. `source`:
+    another version of paged_kernel.cpp, for specdec_bench.kernel_bench's A/B of two builds."""
     cxx = compiler()
     if cxx is None:
         log.info("no C++ compiler: the cpu attention kernel is not built")
@@ -62,7 +63,7 @@ def load_kernel() -> ctypes.CDLL | None:
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
         key = hashlib.sha256(
-            b"\0".join(s.encode() for s in (SOURCE.read_text(), " ".join(flags), cxx, version, _cpu_features()))
+            b"\0".join(s.encode() for s in (source.read_text(), " ".join(flags), cxx, version, _cpu_features()))
         ).hexdigest()[:16]
         path = cache_dir() / f"paged_kernel-{key}.so"
         if not path.exists():
@@ -70,7 +71,7 @@ def load_kernel() -> ctypes.CDLL | None:
             with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then one rename: racing builds are harmless
                 built = Path(tmp) / path.name
                 subprocess.run(
-                    [cxx, *flags, "-o", str(built), str(SOURCE)], check=True, capture_output=True, timeout=300
+                    [cxx, *flags, "-o", str(built), str(source)], check=True, capture_output=True, timeout=300
                 )
                 os.replace(built, path)
             log.info("built the cpu attention kernel: %s", path)
