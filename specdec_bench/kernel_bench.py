@@ -26,10 +26,10 @@ SHAPES = ((1, 170, 1), (8, 170, 1), (1, 170, 5), (8, 170, 5), (1, 0, 200))
 BLOCK_SIZE, HEADS, KV_HEADS, HEAD_DIM = 16, 9, 3, 64  # the default target's attention (SmolLM2-135M)
 
 
-def step_calls(kernel: CpuPagedAttention, shape: tuple[int, int, int], dtype: torch.dtype, layers: int, seed: int):
-    """A function that runs one call per layer for `shape` with `kernel`, and one that returns the calls' outputs."""
+def step_inputs(shape: tuple[int, int, int], dtype: torch.dtype, layers: int):
+    """A step's queries, metadata and one cache per layer for `shape`, from a fixed seed: both builds read them."""
     batch, context, rows = shape
-    generator = torch.Generator().manual_seed(seed)
+    generator = torch.Generator().manual_seed(0)
     per_seq = -(-(context + rows) // BLOCK_SIZE)
     cache_shape = (batch * per_seq + 1, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
 
@@ -38,32 +38,24 @@ def step_calls(kernel: CpuPagedAttention, shape: tuple[int, int, int], dtype: to
 
     caches = [(randn(*cache_shape), randn(*cache_shape)) for _ in range(layers)]
     spans = [SeqSpan(list(range(1 + b * per_seq, 1 + (b + 1) * per_seq)), context, rows) for b in range(batch)]
-    meta = build_metadata(spans, BLOCK_SIZE, kernel=True)
     q = randn(batch * rows, HEADS, HEAD_DIM)  # [T, heads, D]
-    scale = HEAD_DIM**-0.5
-
-    def run() -> None:
-        for k_cache, v_cache in caches:
-            kernel(q, k_cache, v_cache, meta, scale)
-
-    def outputs() -> list[torch.Tensor]:
-        return [kernel(q, k_cache, v_cache, meta, scale) for k_cache, v_cache in caches[:3]]
-
-    return run, outputs
+    return q, caches, build_metadata(spans, BLOCK_SIZE, kernel=True)
 
 
 def shape_row(old: CpuPagedAttention, new: CpuPagedAttention, shape, dtype: torch.dtype, args) -> str:
-    """The table's row for one shape: both builds' step_calls (same data), alternating in blocks."""
-    runs = {"old": step_calls(old, shape, dtype, args.layers, 0), "new": step_calls(new, shape, dtype, args.layers, 0)}
-    equal = all(torch.equal(a, b) for a, b in zip(runs["old"][1](), runs["new"][1](), strict=True))
-    chosen = ["old"]
+    """The table's row for one shape: the two builds on the same inputs, alternating in blocks."""
+    q, caches, meta = step_inputs(shape, dtype, args.layers)
+    scale = HEAD_DIM**-0.5
+    equal = all(torch.equal(old(q, *kv, meta, scale), new(q, *kv, meta, scale)) for kv in caches[:3])
+    kernel = [old]
 
     def toggle(use_new: bool) -> None:
-        chosen[0] = "new" if use_new else "old"
+        kernel[0] = new if use_new else old
 
     def block() -> None:
         for _ in range(args.steps):
-            runs[chosen[0]][0]()
+            for k_cache, v_cache in caches:
+                kernel[0](q, k_cache, v_cache, meta, scale)
 
     for use_new in (False, True):  # warm both
         toggle(use_new)

@@ -162,7 +162,8 @@ void score(const T* k_cache, const Step& s, int64_t count, Scratch& w) {
     float* kf = w.converted.data();
     for (int64_t i = 0; i < num_keys; i += 4) {
         const int64_t n = std::min<int64_t>(4, num_keys - i);
-        for (int64_t k = i + AHEAD; k < std::min(i + AHEAD + 4, num_keys); ++k) prefetch(k_cache + w.slots[k] * dim, dim);
+        for (int64_t k = i + AHEAD; k < std::min(i + AHEAD + 4, num_keys); ++k)
+            prefetch(k_cache + w.slots[k] * dim, dim);
         for (int64_t k = 0; k < 4; ++k) {
             const T* key = k_cache + w.slots[i + (k < n ? k : 0)] * dim;
             for (int64_t d = 0; d < dim; d += LANES) {
