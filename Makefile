@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m shared.model.cpu_attention
+	$(PY) -m shared.model.kernels
 	touch $(STAMP)
 
 proto: $(STAMP)

@@ -49,7 +49,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from shared.model import cpu_attention
+from shared.model import bf16_tiles, native
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.mkl_product import ORIGIN
 from shared.model.parallel import (
@@ -137,15 +137,15 @@ TEMPLATE_OPTIONS: dict[str, Any] = {
 
 def products_in_graph(dtype: torch.dtype) -> bool:
     """Whether a compiled forward in `dtype` multiplies inside its graph (C++ GEMM templates) rather than through
-    opaque packed products: bf16 on a CPU with AMX, where it was measured to pay. Not yet elsewhere: with AVX-512
-    BF16 and no AMX (AMD Zen 4) oneDNN's bf16 products already run every row count in one call there, and the
-    templates were not measured."""
+    opaque packed products: bf16 on a CPU with AMX, where it was measured to pay. Not with AVX-512 BF16 and no AMX
+    (AMD Zen 4): there the templates' fp32 micro-kernels made a one-token step at batch 1 0.46x the eager one's
+    time but five tokens at batch 8 3.06x (compile_bench), and the tiled kernel (bf16_tiles.py) makes the products."""
     return dtype == torch.bfloat16 and amx_tiles()
 
 
 def has_cpp_compiler() -> bool:
     """Inductor's CPU backend builds its kernels with the system's C++ compiler (`$CXX`, else g++ or clang++)."""
-    return cpu_attention.compiler() is not None
+    return native.compiler() is not None
 
 
 def check_can_compile(device: torch.device) -> None:
@@ -319,7 +319,8 @@ def _unpack_layers(layers: list[DecoderLayer], dtype: torch.dtype) -> None:
 
 
 def plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
-    """`weight` in torch's plain layout and the model's `dtype` (a weight packed for oneDNN unpacked)."""
+    """`weight` in torch's plain layout and the model's `dtype` (a weight packed for oneDNN or tiled for the bf16
+    kernel unpacked)."""
     if hasattr(weight, ORIGIN) or weight.dtype != dtype:
         raise ValueError(
             "products in the compiled graph need the weights in the model's dtype: these were packed as "
@@ -327,6 +328,8 @@ def plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Parameter
         )
     if weight.is_mkldnn:
         return torch.nn.Parameter(weight.to_dense(), requires_grad=False)
+    if bf16_tiles.is_packed(weight):
+        return torch.nn.Parameter(bf16_tiles.unpack(weight), requires_grad=False)
     return weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight, requires_grad=False)
 
 

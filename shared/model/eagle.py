@@ -28,7 +28,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from shared.model.attention import AttentionMetadata, TorchPagedAttention, default_scale
+from shared.model.attention import (
+    DEFAULT_BLOCK_SIZE,
+    AttentionMetadata,
+    TorchPagedAttention,
+    default_scale,
+    select_backend,
+)
 from shared.model.config import ModelArch
 from shared.model.llama import DecoderLayer, RMSNorm
 from shared.model.parallel import SINGLE, linear, pack_linears, packed_parameter
@@ -372,6 +378,11 @@ def build_head(
     head = head.to_empty(device=device).to(dtype)
     head.rotary = RotaryEmbedding(arch.rope_parameters, arch.head_dim, arch.max_position_embeddings).to(device)
     head.load(load_head_state(folder), target_embedding, target_lm_head)
+    if torch.device(device).type == "cpu":
+        # The cpu kernel where it builds, as the target's runner picks it: a draft position's states then do not
+        # depend on the other sequences drafting beside it (gather + SDPA padded each to the longest context, and
+        # on Zen 4 a row's fp32 attention moved with that padding: tests/unit/test_compiled_head.py).
+        head.backend = select_backend("auto", device, DEFAULT_BLOCK_SIZE, dtype, arch.head_dim)
     if pack:
         head.pack_weights()
     return head.eval(), arch

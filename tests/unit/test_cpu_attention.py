@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared.model import cpu_attention
+from shared.model import cpu_attention, native
 from shared.model.attention import (
     SeqSpan,
     TorchPagedAttention,
@@ -19,7 +19,7 @@ from shared.model.attention import (
     tree_of_parents,
 )
 
-pytestmark = pytest.mark.skipif(cpu_attention.compiler() is None, reason="no C++ compiler to build the kernel")
+pytestmark = pytest.mark.skipif(native.compiler() is None, reason="no C++ compiler to build the kernel")
 
 BLOCK = 16
 KV_HEADS, GROUP = 3, 3
@@ -124,7 +124,7 @@ def test_auto_picks_the_kernel_on_the_cpu_and_torch_where_it_cannot_run(monkeypa
     assert select_backend("torch", "cpu", BLOCK, torch.float32, 64).name == "torch"
     with pytest.raises(ValueError, match="head size in"):
         select_backend("cpu", "cpu", BLOCK, torch.float32, 24)
-    monkeypatch.setattr(cpu_attention, "compiler", lambda: None)
+    monkeypatch.setattr(native, "compiler", lambda: None)
     cpu_attention.load_kernel.cache_clear()
     try:
         assert select_backend("auto", "cpu", BLOCK, torch.float32, 64).name == "torch"

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import parallel
+from shared.model import bf16_tiles, parallel
 from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
 from shared.model.cpuinfo import cpuinfo_field
@@ -60,13 +60,18 @@ def test_weights_that_onednn_would_not_take_stay_plain():
 HALF = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["fp32 copy", "native"])
+@pytest.fixture(params=["fp32 copy", "native", "bf16 tiles"])
 def half_path(request, monkeypatch):
     """Half-precision weights packed as fp32 copies (CPUs without half instructions, e.g. AVX2 or AVX-512 without
-    BF16) or in their own dtype (AVX-512 BF16 / FP16, AMX): the second only runs where this CPU has them. oneDNN's
+    BF16), in their own dtype for oneDNN (AVX-512 BF16 / FP16, AMX), or, bf16 only, tiled for our own kernel
+    (shared/model/bf16_tiles.py: AVX-512 BF16 without AMX, forced here on any CPU, where the kernel runs its
+    portable path if the CPU has no vdpbf16ps). The second only runs where this CPU has the instructions. oneDNN's
     bf16 kernels also run, emulated, on any AVX-512 CPU, but the packing does not take them there: slower than the
     fp32 copy, and one row's result then depends on how many rows share the product (seen on a Xeon without
     BF16: row 3 of 40 alone differed from the same row among the 40)."""
+    monkeypatch.setattr(bf16_tiles, "enabled", lambda: request.param == "bf16 tiles")
+    if request.param == "bf16 tiles":
+        monkeypatch.setattr(parallel, "amx_tiles", lambda: False)  # pack_weight leaves bf16 to oneDNN with AMX
     if request.param == "fp32 copy":
         monkeypatch.setattr(parallel, "half_kernels", lambda dtype: False)
     return request.param
@@ -75,6 +80,14 @@ def half_path(request, monkeypatch):
 def _half_or_skip(dtype: torch.dtype, path: str) -> None:
     if path == "native" and not half_kernels(dtype):
         pytest.skip(f"this CPU has no {dtype} instructions for oneDNN's kernels")
+    if path == "bf16 tiles" and dtype != torch.bfloat16:
+        pytest.skip("the tiled kernel multiplies bf16 only")
+    if path == "bf16 tiles" and bf16_tiles.load_kernel() is None:
+        pytest.skip("no C++ compiler to build the bf16 kernel")
+
+
+def _packed_as(weight: torch.Tensor, path: str) -> bool:
+    return bf16_tiles.is_packed(weight) if path == "bf16 tiles" else weight.is_mkldnn
 
 
 @pytest.mark.parametrize(
@@ -142,7 +155,7 @@ def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
     weight = torch.randn(192, 64, generator=gen).to(dtype)
     bias = torch.randn(192, generator=gen).to(dtype)
     packed = pack_weight(weight)
-    assert packed.is_mkldnn and packed.dtype == (dtype if half_path == "native" else torch.float32)
+    assert _packed_as(packed, half_path) and packed.dtype == (torch.float32 if half_path == "fp32 copy" else dtype)
     for rows in ((1, 64), (7, 64), (3, 5, 64)):
         x = torch.randn(*rows, generator=gen).to(dtype)
         for b in (None, bias):
@@ -178,6 +191,7 @@ def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_paddi
     product's rows rather than zeros (parallel._padded_block). Without bf16 instructions nothing is padded; where
     the products run in one call (parallel.bf16_in_blocks) the blocks are made to run here all the same."""
     monkeypatch.setattr(parallel, "bf16_in_blocks", lambda: True)
+    monkeypatch.setattr(bf16_tiles, "enabled", lambda: False)
     gen = torch.Generator().manual_seed(3)
     packed = pack_weight(torch.randn(576, 1536, generator=gen).bfloat16())
     earlier, x = torch.randn(15, 1536, generator=gen).bfloat16(), torch.randn(21, 1536, generator=gen).bfloat16()
@@ -212,7 +226,7 @@ def test_a_bf16_model_is_packed_and_its_logits_are_bf16_values(half_path):
     arch = ModelArch.from_hf_config(hf.config)
     model = build_model(arch, hf.state_dict(), torch.bfloat16)
     linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert linears and all(_packed_as(m.weight, half_path) for m in linears)
     assert model.embed_tokens.weight.dtype == torch.bfloat16 and not model.embed_tokens.weight.is_mkldnn
     hidden = torch.randn(4, arch.hidden_size).bfloat16()
     logits = model.compute_logits(hidden)

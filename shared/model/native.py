@@ -1,0 +1,72 @@
+"""The C++ kernels (paged_kernel.cpp for the cpu attention backend, bf16_kernel.cpp for bf16 products), built once
+per machine with the system's C++ compiler and loaded through ctypes.
+
+Built with `-march=native` into SPECDEC_KERNEL_CACHE (default ~/.cache/specdec/kernels), under a name that hashes
+the source, the flags, the compiler and the CPU's feature flags, so a container image shared by machines never
+loads a build for another CPU. Without a compiler, or when the build fails, the callers keep torch's kernels."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger("specdec.native")
+
+# -ffp-contract=off: the compiler may not fuse a multiply and an add in one place and not in another (the kernels
+# fuse explicitly where the CPU can), so a row's arithmetic is the same wherever it is inlined.
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+X86_FLAGS = ("-mprefer-vector-width=512",)  # GCC's auto-vectorised loops (exp, softmax) otherwise stop at 256 bits
+
+
+def compiler() -> str | None:
+    """The system's C++ compiler (`$CXX`, else g++, c++ or clang++), as torch.compile's CPU backend finds one."""
+    return next((c for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c and shutil.which(c)), None)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("SPECDEC_KERNEL_CACHE") or Path.home() / ".cache" / "specdec" / "kernels")
+
+
+def _cpu_features() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor()
+    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), platform.processor())
+
+
+def build(source: Path, what: str) -> ctypes.CDLL | None:
+    """`source` built (once: later calls find the library in the cache) and loaded; None, logged, where it cannot
+    be built or loaded. `what` names the kernel in the log."""
+    cxx = compiler()
+    if cxx is None:
+        log.info("no C++ compiler: the %s is not built", what)
+        return None
+    flags = FLAGS + (X86_FLAGS if platform.machine() in ("x86_64", "AMD64") else ())
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256(
+            b"\0".join(s.encode() for s in (source.read_text(), " ".join(flags), cxx, version, _cpu_features()))
+        ).hexdigest()[:16]
+        path = cache_dir() / f"{source.stem}-{key}.so"
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as tmp:  # then one rename: racing builds are harmless
+                built = Path(tmp) / path.name
+                subprocess.run(
+                    [cxx, *flags, "-o", str(built), str(source)], check=True, capture_output=True, timeout=300
+                )
+                os.replace(built, path)
+            log.info("built the %s: %s", what, path)
+        return ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", b"") or b""
+        log.warning("the %s could not be built (%s) %s", what, e, detail.decode(errors="replace")[-2000:])
+        return None

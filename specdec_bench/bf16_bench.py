@@ -1,0 +1,124 @@
+"""`python -m specdec_bench.bf16_bench`: bf16 products through our tiled kernel (shared/model/bf16_tiles.py) against
+oneDNN's, in one process.
+
+Three tables, the two ways alternating in blocks (a machine whose speed drifts slows both alike), ratios per pair
+of neighbouring blocks, medians over pairs: a step's products alone (the target's 121 weights, each read from
+memory as in a real step, at 1-40 rows and at prefill chunks of 128 and 512), the eager forward (a one-token step
+and a scoring step of 5 tokens, batch 1 and 8, ~200 tokens of context: compile_bench's rows), and target-only
+greedy decoding through the engine. The target is loaded twice, once with each packing; the runner's model is
+swapped between blocks, on one cache.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from shared.malloc_tuning import tune_malloc
+from shared.model import bf16_tiles
+from shared.model.build import CacheConfig, load_paged_model
+from shared.model.loader import load_model, load_tokenizer
+from shared.model.parallel import ColumnParallelLinear, RowParallelLinear, linear
+from shared.settings import default_target_model
+from specdec_bench.compile_bench import alternate, engine_table, forward_table
+from specdec_bench.engine_bench import chat_ids
+from specdec_bench.prompts import GENERAL_PROMPTS
+
+ROWS = (1, 4, 8, 16, 40, 128, 512)  # decoding and scoring steps, then prefill chunks
+
+
+def load(target: str, tiles: bool):
+    """The target in bf16, its weights tiled for our kernel or packed for oneDNN."""
+    os.environ["SPECDEC_BF16_TILES"] = "1" if tiles else "0"
+    bf16_tiles.enabled.cache_clear()
+    try:
+        return load_model(target, torch.bfloat16)[0]
+    finally:
+        os.environ.pop("SPECDEC_BF16_TILES")
+        bf16_tiles.enabled.cache_clear()
+
+
+def weights(model) -> list[torch.Tensor]:
+    linears = [m.weight for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    return linears + [model.packed_lm_head if model.packed_lm_head is not None else model.lm_head_weight]
+
+
+def products_table(models: dict[bool, torch.nn.Module], pairs: int) -> list[str]:
+    by_way = {tiles: weights(model) for tiles, model in models.items()}
+    widths = [in_width(w) for w in by_way[False]]
+    gen = torch.Generator().manual_seed(0)
+    way = {"tiles": False}
+
+    def toggle(tiles: bool) -> None:
+        way["tiles"] = tiles
+
+    lines = []
+    for rows in ROWS:
+        inputs = {w: torch.randn(rows, w, generator=gen).bfloat16() for w in set(widths)}
+
+        def step(inputs=inputs) -> None:
+            for weight, width in zip(by_way[way["tiles"]], widths, strict=True):
+                linear(inputs[width], weight)
+
+        for tiles in (False, True):  # the first call of each way out of the timing
+            toggle(tiles)
+            step()
+        onednn, tiled = alternate(step, pairs, toggle)
+        ratios = [t / o for o, t in zip(onednn, tiled, strict=True)]
+        lines.append(
+            f"| a step's {len(widths)} products, {rows} row(s) | {1e3 * statistics.median(onednn):.2f} | "
+            f"{1e3 * statistics.median(tiled):.2f} | {statistics.median(ratios):.3f} "
+            f"({min(ratios):.2f}-{max(ratios):.2f}) | ms |"
+        )
+    return lines
+
+
+def in_width(weight: torch.Tensor) -> int:
+    """A packed weight's input width: tiled ([out / 64, in / 2, 64, 2]), for oneDNN (dense size kept) or plain."""
+    if bf16_tiles.is_packed(weight):
+        return int(weight.shape[1] * 2)
+    return int(weight.to_dense().shape[1]) if weight.is_mkldnn else int(weight.shape[-1])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m specdec_bench.bf16_bench", description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default=None)
+    parser.add_argument("--pairs", type=int, default=6, help="oneDNN/tiles pairs of blocks per row")
+    parser.add_argument("--steps", type=int, default=8, help="forward steps per block")
+    parser.add_argument("--max-tokens", type=int, default=48, help="new tokens per prompt in the engine rows")
+    args = parser.parse_args(argv)
+    tune_malloc()
+    if bf16_tiles.load_kernel() is None:
+        raise SystemExit("the bf16 kernel could not be built here (no C++ compiler?)")
+    target = args.target or default_target_model()
+    models = {tiles: load(target, tiles) for tiles in (False, True)}
+    native = bool(bf16_tiles.load_kernel().specdec_bf16_native())  # type: ignore[union-attr]
+    print(f"bf16, {torch.get_num_threads()} threads; the kernel {'on vdpbf16ps' if native else 'portable (no BF16)'}")
+    paged = load_paged_model(target, 8, 2048, 4, CacheConfig(enable_prefix_caching=False), torch.bfloat16)
+    current = {"tiles": False}
+
+    def toggle(tiles: bool) -> None:
+        current["tiles"] = tiles
+        paged.runner.model = models[tiles]
+
+    print("| row | oneDNN | tiles | tiles / oneDNN (range) | unit |")
+    print("| --- | ---: | ---: | ---: | --- |")
+    started = time.monotonic()
+    for line in products_table(models, args.pairs):
+        print(line, flush=True)
+    for line in forward_table(paged, toggle, args.pairs, args.steps):
+        print(line, flush=True)
+    prompts = [chat_ids(load_tokenizer(target), p) for p in GENERAL_PROMPTS]
+    for line in engine_table(
+        paged, toggle, prompts, max(2, args.pairs // 2), args.max_tokens, lambda: current["tiles"]
+    ):
+        print(line, flush=True)
+    print(f"({time.monotonic() - started:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
