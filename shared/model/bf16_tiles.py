@@ -1,8 +1,9 @@
 """bf16 products through our own kernel (bf16_kernel.cpp) where oneDNN's are slow: an x86 CPU with AVX-512 BF16 and
-no AMX (AMD EPYC, Zen 4). There the target's 121 products of a one-token step took oneDNN 15-19 ms whatever the
-rows (4 at least, for rows that agree: parallel.MIN_PRODUCT_ROWS), and this kernel 10 ms at one row, 11 at eight,
-0.89x oneDNN's time at 40 (2 threads): a step at batch 1 to 8 reads each weight from memory once, at the rate the
-memory gives. A row's result is the same bits whatever the call holds (see the kernel's header).
+no AMX (AMD EPYC, Zen 4). There oneDNN's bf16 products cost the same at one row as at eight (4 at least, for rows
+that agree: parallel.MIN_PRODUCT_ROWS), and this kernel took 0.41-0.43x their time over the target's 121 products
+at one row, 0.62-0.66x at eight, 0.81-0.82x at 40 and 0.93-0.96x at prefill chunks of 128-512 (2 threads,
+`specdec_bench.bf16_bench`): a step at batch 1 to 8 reads each weight from memory once, at the rate the memory
+gives. A row's result is the same bits whatever the call holds (see the kernel's header).
 
 A weight packed here is a [out / 64, in / 2, 64, 2] bf16 tensor: its shape says what it is, survives a Parameter
 and cannot be mistaken for a plain [out, in] weight. `SPECDEC_BF16_TILES=0` keeps oneDNN's products (an A/B)."""
