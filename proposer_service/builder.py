@@ -208,9 +208,13 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     started = time.monotonic()
     embedding, lm_head, arch = load_embeddings(target)
     max_model_len = min(config.max_model_len, arch.max_position_embeddings)
-    # The head's attention is plain torch: no flash pages.
+    # On the CPU the head attends as --attention-backend says (eagle.build_head); on a GPU through torch (no flash
+    # pages).
     cache = CacheConfig(
-        config.block_size or DEFAULT_BLOCK_SIZE, config.num_kv_blocks, "torch", config.enable_prefix_caching
+        config.block_size or DEFAULT_BLOCK_SIZE,
+        config.num_kv_blocks,
+        config.attention_backend,
+        config.enable_prefix_caching,
     )
     num_blocks = default_num_blocks(config.max_num_seqs, max_model_len, config.max_k, cache)
     device = resolve_device(config.device)
@@ -228,6 +232,7 @@ def build_eagle_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
         # The head drafts the target's token ids: the target's tokenizer names them.
         load_grammar_compiler(target, arch.vocab_size, arch.eos_token_ids),
         dtype,
+        cache.attention_backend,
     )
     # A head for layers this target lacks is refused here, at start-up, not by a verifier later.
     check_feature_layers(drafter.head.feature_layers, arch.num_layers, f"the head {head_dir}")

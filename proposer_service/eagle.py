@@ -251,12 +251,13 @@ def make_eagle_drafter(
     device: str = "cpu",
     grammar: GrammarCompiler | None = None,
     dtype: torch.dtype = torch.float32,
+    attention_backend: str = "auto",
 ) -> EagleDrafter:
     """The head from its folder, with the target's embedding and LM head [vocab, hidden] (only those tensors),
-    its weights and KV cache in `dtype`."""
+    its weights and KV cache in `dtype`, attending through `attention_backend` (shared.model.eagle.build_head)."""
     from shared.model.eagle import build_head
 
-    head, _ = build_head(head_dir, target_embedding, target_lm_head, device, dtype)
+    head, _ = build_head(head_dir, target_embedding, target_lm_head, device, dtype, attention_backend=attention_backend)
     return drafter_for_head(head, num_blocks, block_size, enable_prefix_caching, top_n, grammar)
 
 

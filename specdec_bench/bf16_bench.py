@@ -32,11 +32,11 @@ ROWS = (1, 4, 8, 16, 40, 128, 512)  # decoding and scoring steps, then prefill c
 
 
 def load(target: str, tiles: bool):
-    """The target in bf16, its weights tiled for our kernel or packed for oneDNN."""
+    """(model, arch): the target in bf16, its weights tiled for our kernel or packed for oneDNN."""
     os.environ["SPECDEC_BF16_TILES"] = "1" if tiles else "0"
     bf16_tiles.enabled.cache_clear()
     try:
-        return load_model(target, torch.bfloat16)[0]
+        return load_model(target, torch.bfloat16)
     finally:
         os.environ.pop("SPECDEC_BF16_TILES")
         bf16_tiles.enabled.cache_clear()
@@ -95,10 +95,13 @@ def main(argv: list[str] | None = None) -> None:
     if bf16_tiles.load_kernel() is None:
         raise SystemExit("the bf16 kernel could not be built here (no C++ compiler?)")
     target = args.target or default_target_model()
-    models = {tiles: load(target, tiles) for tiles in (False, True)}
-    native = bool(bf16_tiles.load_kernel().specdec_bf16_native())  # type: ignore[union-attr]
-    print(f"bf16, {torch.get_num_threads()} threads; the kernel {'on vdpbf16ps' if native else 'portable (no BF16)'}")
-    paged = load_paged_model(target, 8, 2048, 4, CacheConfig(enable_prefix_caching=False), torch.bfloat16)
+    loaded = {tiles: load(target, tiles) for tiles in (False, True)}
+    models = {tiles: model for tiles, (model, _) in loaded.items()}
+    if not bf16_tiles.is_packed(weights(models[True])[0]):
+        raise SystemExit("pack_weight does not tile bf16 weights on this CPU (AMX, or no AVX-512 BF16): nothing to A/B")
+    print(f"bf16, {torch.get_num_threads()} threads")
+    paged = load_paged_model(loaded[False], 8, 2048, 4, CacheConfig(enable_prefix_caching=False), torch.bfloat16)
+    models[True].backend = models[False].backend  # the attention the runner picked, for both ways
     current = {"tiles": False}
 
     def toggle(tiles: bool) -> None:

@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> None:
     eager_model, _ = load_model(target, dtype)
     paged = load_paged_model(target, 8, 2048, 4, CacheConfig(enable_prefix_caching=False), dtype, compile=True)
     compiled_model = paged.runner.model
+    eager_model.backend = compiled_model.backend  # the attention the runner picked (the cpu kernel), both ways
     in_graph = compiled_model.compiled is not None and compiled_model.compiled.templates
     print(f"{args.dtype}; products {'in the graph' if in_graph else 'opaque, packed'}")
 

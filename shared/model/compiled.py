@@ -138,8 +138,8 @@ TEMPLATE_OPTIONS: dict[str, Any] = {
 def products_in_graph(dtype: torch.dtype) -> bool:
     """Whether a compiled forward in `dtype` multiplies inside its graph (C++ GEMM templates) rather than through
     opaque packed products: bf16 on a CPU with AMX, where it was measured to pay. Not with AVX-512 BF16 and no AMX
-    (AMD Zen 4): there the templates' fp32 micro-kernels made a one-token step at batch 1 0.46x the eager one's
-    time but five tokens at batch 8 3.06x (compile_bench), and the tiled kernel (bf16_tiles.py) makes the products."""
+    (AMD Zen 4): there the templates' fp32 micro-kernels made a one-token step at batch 1 0.85x the time of the eager
+    forward with the tiled kernel's products (bf16_tiles.py), five tokens at batch 8 4.23x (compile_bench)."""
     return dtype == torch.bfloat16 and amx_tiles()
 
 

@@ -361,9 +361,11 @@ def build_head(
     device: str = "cpu",
     dtype: torch.dtype = torch.float32,
     pack: bool = True,
+    attention_backend: str = "auto",
 ):
     """(EagleHead, its ModelArch) from a head folder and the target's embedding and LM head, its weights and
-    KV cache in `dtype`; `pack`: its weights laid out for oneDNN or MKL (parallel.pack_weight), else left plain."""
+    KV cache in `dtype`; `pack`: its weights laid out for oneDNN or MKL (parallel.pack_weight), else left plain;
+    `attention_backend` on the CPU as the target's runner reads it (auto: the cpu kernel where it builds)."""
     config = read_head_config(folder)
     arch = arch_from_config(config)
     if target_embedding.shape != (arch.vocab_size, arch.hidden_size):
@@ -382,7 +384,7 @@ def build_head(
         # The cpu kernel where it builds, as the target's runner picks it: a draft position's states then do not
         # depend on the other sequences drafting beside it (gather + SDPA padded each to the longest context, and
         # on Zen 4 a row's fp32 attention moved with that padding: tests/unit/test_compiled_head.py).
-        head.backend = select_backend("auto", device, DEFAULT_BLOCK_SIZE, dtype, arch.head_dim)
+        head.backend = select_backend(attention_backend, device, DEFAULT_BLOCK_SIZE, dtype, arch.head_dim)
     if pack:
         head.pack_weights()
     return head.eval(), arch

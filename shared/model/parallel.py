@@ -211,13 +211,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     MKL's packed sgemm (Intel CPUs, mkl_product.py), which is not MKL's plain product, to that; a half-precision
     `x` on an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype. A bf16 weight tiled
     for our kernel (bf16_tiles.py) goes to it."""
-    if bf16_tiles.is_packed(weight):
-        if x.dim() != 2:
-            return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+    tiled = bf16_tiles.is_packed(weight)
+    if (tiled or weight.is_mkldnn) and x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's are 2-D
+        return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
+    if tiled:
         return bf16_tiles.product(x, weight, bias)
     if weight.is_mkldnn:
-        if x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's products are 2-D already
-            return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
         rows = x.contiguous()
         origin = getattr(weight, mkl_product.ORIGIN, None)
         if origin is not None:  # every row count in one call: MKL's packed rows do not depend on it
