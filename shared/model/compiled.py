@@ -49,7 +49,7 @@ import torch
 import torch._inductor.config as inductor_config
 import torch.nn.functional as F
 
-from shared.model import bf16_tiles, native
+from shared.model import native, tiles
 from shared.model.attention import AttentionMetadata, paged_attention, write_kv
 from shared.model.mkl_product import ORIGIN
 from shared.model.parallel import (
@@ -139,7 +139,7 @@ def products_in_graph(dtype: torch.dtype) -> bool:
     """Whether a compiled forward in `dtype` multiplies inside its graph (C++ GEMM templates) rather than through
     opaque packed products: bf16 on a CPU with AMX, where it was measured to pay. Not with AVX-512 BF16 and no AMX
     (AMD Zen 4): there the templates' fp32 micro-kernels made a one-token step at batch 1 0.85x the time of the eager
-    forward with the tiled kernel's products (bf16_tiles.py), five tokens at batch 8 4.23x (compile_bench)."""
+    forward with the tiled kernel's products (tiles.py), five tokens at batch 8 4.23x (compile_bench)."""
     return dtype == torch.bfloat16 and amx_tiles()
 
 
@@ -319,7 +319,7 @@ def _unpack_layers(layers: list[DecoderLayer], dtype: torch.dtype) -> None:
 
 
 def plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Parameter:
-    """`weight` in torch's plain layout and the model's `dtype` (a weight packed for oneDNN or tiled for the bf16
+    """`weight` in torch's plain layout and the model's `dtype` (a weight packed for oneDNN or tiled for our
     kernel unpacked)."""
     if hasattr(weight, ORIGIN) or weight.dtype != dtype:
         raise ValueError(
@@ -328,8 +328,8 @@ def plain_weight(weight: torch.Tensor, dtype: torch.dtype) -> torch.nn.Parameter
         )
     if weight.is_mkldnn:
         return torch.nn.Parameter(weight.to_dense(), requires_grad=False)
-    if bf16_tiles.is_packed(weight):
-        return torch.nn.Parameter(bf16_tiles.unpack(weight), requires_grad=False)
+    if tiles.is_packed(weight):
+        return torch.nn.Parameter(tiles.unpack(weight), requires_grad=False)
     return weight if isinstance(weight, torch.nn.Parameter) else torch.nn.Parameter(weight, requires_grad=False)
 
 

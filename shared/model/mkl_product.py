@@ -37,16 +37,21 @@ _CHECK_COUNTS = (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 33, 64)  # row counts a shape i
 
 @functools.cache
 def available() -> bool:
-    """MKL's packed products where torch has them, on Intel CPUs only: measured there; on AMD CPUs oneDNN's
-    products were as fast as vLLM's (Zen 4) and MKL's kernels are not Intel's own. `SPECDEC_MKL_PRODUCTS=0` keeps
-    oneDNN's everywhere (an A/B, or a CPU where MKL misbehaves)."""
+    """MKL's packed products where torch has them, on Intel CPUs only: measured there; on AMD CPUs MKL's kernels
+    are not Intel's own and its packed rows disagreed with each other (Zen 4), so pack_weight gives fp32 weights to
+    our own kernel there (tiles.py) or oneDNN. `SPECDEC_MKL_PRODUCTS=0` keeps oneDNN's on Intel CPUs (an A/B, or a
+    CPU where MKL misbehaves)."""
     return (
         os.environ.get("SPECDEC_MKL_PRODUCTS", "1") != "0"
         and torch.backends.mkl.is_available()
         and hasattr(torch.ops.mkl, "_mkl_linear")
         and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
-        and _vendor() == "GenuineIntel"
+        and intel_cpu()
     )
+
+
+def intel_cpu() -> bool:
+    return _vendor() == "GenuineIntel"
 
 
 def _vendor() -> str:

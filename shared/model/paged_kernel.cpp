@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -164,17 +165,23 @@ void score(const T* k_cache, const Step& s, int64_t count, Scratch& w) {
         const int64_t n = std::min<int64_t>(4, num_keys - i);
         for (int64_t k = i + AHEAD; k < std::min(i + AHEAD + 4, num_keys); ++k)
             prefetch(k_cache + w.slots[k] * dim, dim);
+        const float* keys[4];
         for (int64_t k = 0; k < 4; ++k) {
             const T* key = k_cache + w.slots[i + (k < n ? k : 0)] * dim;
+            if constexpr (std::is_same_v<T, float>) {
+                keys[k] = key;  // in place: the copy only converts bf16 (fp32 batch-8 decode 0.95x the time without it)
+                continue;
+            }
             for (int64_t d = 0; d < dim; d += LANES) {
                 const vf x = load(key + d);
                 std::memcpy(kf + k * dim + d, &x, sizeof x);
             }
+            keys[k] = kf + k * dim;
         }
         vf acc[4][GROUPS] = {};
         for (int64_t dd = 0; dd < quads; ++dd)
             for (int k = 0; k < 4; ++k) {
-                const vf b = splat4(kf + k * dim + 4 * dd);
+                const vf b = splat4(keys[k] + 4 * dd);
                 for (int g = 0; g < GROUPS; ++g) acc[k][g] = madd(w.queries[g * quads + dd], b, acc[k][g]);
             }
         for (int64_t k = 0; k < n; ++k)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared.model import bf16_tiles, mkl_product
+from shared.model import mkl_product, tiles
 from shared.model.cpuinfo import cpuinfo_field
 
 
@@ -100,8 +100,8 @@ def bf16_in_blocks() -> bool:
     shapes, so those products run in one call, fewer than four rows given spare rows as in fp32
     (MIN_PRODUCT_ROWS; 1,536-wide inputs summed a lone row in another order there too), and pay no padding to 16:
     the target's 120 layer products took 14.7 / 13.5 / 20.7 / 28.4 ms for 1 / 8 / 24 / 40 rows in one call
-    against 19.0 / 17.4 / 37.1 / 43.4 in blocks of 16 (and bf16_tiles.py's kernel takes those weights there
-    unless SPECDEC_BF16_TILES=0). Elsewhere the blocks stay: measured row-dependent with AMX, not measured on
+    against 19.0 / 17.4 / 37.1 / 43.4 in blocks of 16 (and tiles.py's kernel takes those weights there unless
+    SPECDEC_BF16_TILES=0). Elsewhere the blocks stay: measured row-dependent with AMX, not measured on
     AVX-NE-CONVERT or ARM's BF16."""
     if not _x86():
         return True
@@ -170,20 +170,33 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     back unchanged.
 
     On Intel CPUs an fp32 weight (or such an fp32 copy) is packed for MKL's sgemm instead (shared/model/mkl_product.py):
-    its products cost 0.6-0.9x oneDNN's there; with AVX-512 BF16 and no AMX a bf16 weight is tiled for our own
-    kernel (shared/model/bf16_tiles.py), 0.5-0.9x oneDNN's time there. Wrap the result with `packed_parameter`, not
-    a bare Parameter."""
+    its products cost 0.6-0.9x oneDNN's there. Where our own kernel multiplies a weight (`takes_tiles`) it is tiled
+    for it (shared/model/tiles.py). Wrap the result with `packed_parameter`, not a bare Parameter."""
     if not (_ONEDNN and weight.dim() == 2 and weight.device.type == "cpu"):
         return weight
-    if bf16_tiles.fits(weight) and not amx_tiles() and bf16_tiles.enabled():
-        return bf16_tiles.pack(weight)
+    if takes_tiles(weight):
+        return tiles.pack(weight)
     if weight.dtype in HALF_DTYPES and half_kernels(weight.dtype):
         return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS)
     if weight.dtype == torch.float32 or weight.dtype in HALF_DTYPES:
         fp32 = weight.detach().float()
+        if takes_tiles(fp32):
+            return tiles.pack(fp32)
         packed = mkl_product.pack(fp32) if mkl_product.available() else None
         return packed if packed is not None else torch.ops.mkldnn._reorder_linear_weight(fp32, PACK_ROWS)
     return weight
+
+
+def takes_tiles(weight: torch.Tensor) -> bool:
+    """Whether our kernel (tiles.py) multiplies this weight: bf16 on an x86 CPU with AVX-512 BF16 and no AMX (0.4-0.7x
+    oneDNN's time at 1-8 rows on Zen 4), fp32 on a CPU with AVX-512 that is not Intel's, whose fp32 products MKL's
+    packed sgemm does not make (on Zen 4 0.69x / 0.75x / 0.88x oneDNN's time at 1 / 8 / 40 rows: docs/BENCHMARKS.md).
+    Intel's keep MKL's, measured there; AMX hosts keep oneDNN's bf16 blocks and the compiled graph's templates."""
+    if not tiles.fits(weight):
+        return False
+    if weight.dtype == torch.bfloat16:
+        return not amx_tiles() and tiles.enabled(torch.bfloat16)
+    return not mkl_product.intel_cpu() and tiles.enabled(torch.float32)
 
 
 def packed_parameter(weight: torch.Tensor) -> torch.nn.Parameter:
@@ -195,8 +208,8 @@ def packed_parameter(weight: torch.Tensor) -> torch.nn.Parameter:
 
 def out_features(weight: torch.Tensor) -> int:
     """A weight's output width, plain or packed (an MKL-packed tensor's own shape is its buffer's)."""
-    if bf16_tiles.is_packed(weight):
-        return bf16_tiles.out_features(weight)
+    if tiles.is_packed(weight):
+        return tiles.out_features(weight)
     origin = getattr(weight, mkl_product.ORIGIN, None)
     return int((weight if origin is None else origin).shape[0])
 
@@ -209,13 +222,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     read from memory, as in a real step); only a single weight hot in cache favours MKL. Both accumulate
     in fp32. A weight from `pack_weight` goes to oneDNN whatever the shape of `x`, or where it was packed for
     MKL's packed sgemm (Intel CPUs, mkl_product.py), which is not MKL's plain product, to that; a half-precision
-    `x` on an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype. A bf16 weight tiled
-    for our kernel (bf16_tiles.py) goes to it."""
-    tiled = bf16_tiles.is_packed(weight)
+    `x` on an fp32-packed weight is multiplied in fp32 and the result rounded to `x`'s dtype. A weight tiled for our
+    kernel (tiles.py) goes to it, whatever the row count: its rows need no spare ones."""
+    tiled = tiles.is_packed(weight)
     if (tiled or weight.is_mkldnn) and x.dim() != 2:  # the EAGLE head's [batch, seq, hidden]; the target's are 2-D
         return linear(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], -1)
     if tiled:
-        return bf16_tiles.product(x, weight, bias)
+        return tiles.product(x, weight, bias)
     if weight.is_mkldnn:
         rows = x.contiguous()
         origin = getattr(weight, mkl_product.ORIGIN, None)

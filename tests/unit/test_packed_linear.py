@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import bf16_tiles, parallel
+from shared.model import mkl_product, parallel, tiles
 from shared.model.build import CacheConfig, make_runner
 from shared.model.config import ModelArch
 from shared.model.cpuinfo import cpuinfo_field
@@ -27,11 +27,11 @@ needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reas
 
 @needs_onednn
 @pytest.mark.parametrize("shape", [(96, 64), (192, 64), (64, 128), (1000, 64)])
-def test_packed_product_equals_plain(shape):
+def test_packed_product_equals_plain(shape, fp32_path):
     gen = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(*shape, generator=gen), torch.randn(shape[0], generator=gen)
     packed = pack_weight(weight)
-    assert packed.is_mkldnn
+    assert _packed_as(packed, fp32_path) if shape[0] % 32 == 0 else packed.is_mkldnn  # tiles: 32 outputs each
     for rows in ((1, shape[1]), (7, shape[1]), (3, 5, shape[1])):  # 3-D: the EAGLE head's [batch, seq, hidden]
         x = torch.randn(*rows, generator=gen)
         torch.testing.assert_close(linear(x, packed), F.linear(x, weight), atol=1e-4, rtol=1e-5)
@@ -40,12 +40,13 @@ def test_packed_product_equals_plain(shape):
 
 @needs_onednn
 @pytest.mark.parametrize("shape", [(3072, 576), (960, 576), (576, 1536), (192, 1536)])
-def test_a_rows_result_does_not_depend_on_the_other_rows(shape):
+def test_a_rows_result_does_not_depend_on_the_other_rows(shape, fp32_path):
     """The default target's shapes. With an input of 1536 (the MLP's down projection) oneDNN's one-row kernel
     summed in another order than its kernel for several rows; `linear` gives a product of fewer than four rows
-    spare rows (parallel.MIN_PRODUCT_ROWS)."""
+    spare rows (parallel.MIN_PRODUCT_ROWS). Our kernel's rows need none."""
     gen = torch.Generator().manual_seed(1)
     packed = pack_weight(torch.randn(*shape, generator=gen))
+    assert _packed_as(packed, fp32_path)
     x = torch.randn(40, shape[1], generator=gen)
     together = linear(x, packed)
     for start, stop in ((0, 1), (0, 2), (4, 7), (0, 5), (3, 4), (7, 16), (11, 40)):
@@ -60,20 +61,36 @@ def test_weights_that_onednn_would_not_take_stay_plain():
 HALF = [torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(params=["fp32 copy", "native", "bf16 tiles"])
+@pytest.fixture(params=["fp32 copy", "fp32 copy tiled", "native", "bf16 tiles"])
 def half_path(request, monkeypatch):
     """Half-precision weights packed as fp32 copies (CPUs without half instructions, e.g. AVX2 or AVX-512 without
-    BF16), in their own dtype for oneDNN (AVX-512 BF16 / FP16, AMX), or, bf16 only, tiled for our own kernel
-    (shared/model/bf16_tiles.py: AVX-512 BF16 without AMX, forced here on any CPU, where the kernel runs its
-    portable path if the CPU has no vdpbf16ps). The second only runs where this CPU has the instructions. oneDNN's
-    bf16 kernels also run, emulated, on any AVX-512 CPU, but the packing does not take them there: slower than the
-    fp32 copy, and one row's result then depends on how many rows share the product (seen on a Xeon without
-    BF16: row 3 of 40 alone differed from the same row among the 40)."""
-    monkeypatch.setattr(bf16_tiles, "enabled", lambda: request.param == "bf16 tiles")
-    if request.param == "bf16 tiles":
+    BF16) for oneDNN or, where our kernel takes fp32 (AVX-512, not Intel's: shared/model/tiles.py), tiled for it;
+    in their own dtype for oneDNN (AVX-512 BF16 / FP16, AMX); or, bf16 only, tiled for our kernel (AVX-512 BF16
+    without AMX). The tiled paths are forced here on any CPU, where the kernel runs its portable path if the CPU
+    lacks the instructions; "native" only runs where this CPU has them. oneDNN's bf16 kernels also run, emulated,
+    on any AVX-512 CPU, but the packing does not take them there: slower than the fp32 copy, and one row's result
+    then depends on how many rows share the product (seen on a Xeon without BF16: row 3 of 40 alone differed from
+    the same row among the 40)."""
+    tiled = {"bf16 tiles": torch.bfloat16, "fp32 copy tiled": torch.float32}.get(request.param)
+    monkeypatch.setattr(tiles, "enabled", lambda dtype: dtype == tiled)
+    if tiled == torch.bfloat16:
         monkeypatch.setattr(parallel, "amx_tiles", lambda: False)  # pack_weight leaves bf16 to oneDNN with AMX
-    if request.param == "fp32 copy":
+    if tiled == torch.float32:
+        monkeypatch.setattr(mkl_product, "intel_cpu", lambda: False)  # and fp32 to MKL on Intel's CPUs
+    if request.param.startswith("fp32 copy"):
         monkeypatch.setattr(parallel, "half_kernels", lambda dtype: False)
+    return request.param
+
+
+@pytest.fixture(params=["oneDNN", "fp32 tiles"])
+def fp32_path(request, monkeypatch):
+    """fp32 weights packed for oneDNN, or tiled for our kernel (forced here on any CPU, as above). Intel's CPUs
+    pack them for MKL instead (tests/unit/test_mkl_product.py), turned off here."""
+    monkeypatch.setattr(tiles, "enabled", lambda dtype: request.param == "fp32 tiles" and dtype == torch.float32)
+    monkeypatch.setattr(mkl_product, "intel_cpu", lambda: False)
+    monkeypatch.setattr(mkl_product, "available", lambda: False)
+    if request.param == "fp32 tiles" and tiles.load_kernel() is None:
+        pytest.skip("no C++ compiler to build the product kernel")
     return request.param
 
 
@@ -82,12 +99,15 @@ def _half_or_skip(dtype: torch.dtype, path: str) -> None:
         pytest.skip(f"this CPU has no {dtype} instructions for oneDNN's kernels")
     if path == "bf16 tiles" and dtype != torch.bfloat16:
         pytest.skip("the tiled kernel multiplies bf16 only")
-    if path == "bf16 tiles" and bf16_tiles.load_kernel() is None:
-        pytest.skip("no C++ compiler to build the bf16 kernel")
+    if path in TILED_PATHS and tiles.load_kernel() is None:
+        pytest.skip("no C++ compiler to build the product kernel")
+
+
+TILED_PATHS = ("bf16 tiles", "fp32 copy tiled", "fp32 tiles")
 
 
 def _packed_as(weight: torch.Tensor, path: str) -> bool:
-    return bf16_tiles.is_packed(weight) if path == "bf16 tiles" else weight.is_mkldnn
+    return tiles.is_packed(weight) if path in TILED_PATHS else weight.is_mkldnn
 
 
 @pytest.mark.parametrize(
@@ -155,7 +175,8 @@ def test_half_product_is_the_fp32_product_rounded_once(dtype, half_path):
     weight = torch.randn(192, 64, generator=gen).to(dtype)
     bias = torch.randn(192, generator=gen).to(dtype)
     packed = pack_weight(weight)
-    assert _packed_as(packed, half_path) and packed.dtype == (torch.float32 if half_path == "fp32 copy" else dtype)
+    fp32_copy = half_path.startswith("fp32 copy")
+    assert _packed_as(packed, half_path) and packed.dtype == (torch.float32 if fp32_copy else dtype)
     for rows in ((1, 64), (7, 64), (3, 5, 64)):
         x = torch.randn(*rows, generator=gen).to(dtype)
         for b in (None, bias):
@@ -191,7 +212,7 @@ def test_a_bf16_block_padded_with_an_earlier_products_rows_gives_what_zero_paddi
     product's rows rather than zeros (parallel._padded_block). Without bf16 instructions nothing is padded; where
     the products run in one call (parallel.bf16_in_blocks) the blocks are made to run here all the same."""
     monkeypatch.setattr(parallel, "bf16_in_blocks", lambda: True)
-    monkeypatch.setattr(bf16_tiles, "enabled", lambda: False)
+    monkeypatch.setattr(tiles, "enabled", lambda dtype: False)
     gen = torch.Generator().manual_seed(3)
     packed = pack_weight(torch.randn(576, 1536, generator=gen).bfloat16())
     earlier, x = torch.randn(15, 1536, generator=gen).bfloat16(), torch.randn(21, 1536, generator=gen).bfloat16()
@@ -235,11 +256,20 @@ def test_a_bf16_model_is_packed_and_its_logits_are_bf16_values(half_path):
     torch.testing.assert_close(logits, F.linear(hidden, model.lm_head_weight).float(), atol=0.07, rtol=0.02)
 
 
+def test_an_fp32_position_gets_the_same_logits_in_a_one_token_step_and_among_scored_rows(fp32_path):
+    """As the bf16 test below, in fp32 at the default target's widths: oneDNN's products with spare rows
+    (parallel.MIN_PRODUCT_ROWS) and our kernel's (AVX-512 CPUs that are not Intel's) alike."""
+    model, arch = default_width_model(torch.float32)
+    assert _packed_as(model.layers[0].mlp.down_proj.weight, fp32_path)
+    runner = make_runner(model, arch, num_blocks=64, cache=CacheConfig(block_size=4, attention_backend="torch"))
+    assert_one_token_steps_equal_scored_rows(runner, beside=[1] * 30)
+
+
 @needs_onednn
-def test_loaded_models_and_heads_are_packed_and_keep_their_plain_embedding(tmp_path):
+def test_loaded_models_and_heads_are_packed_and_keep_their_plain_embedding(tmp_path, fp32_path):
     model, arch = ours(tiny_hf_model(seed=3))
     linears = [m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
-    assert linears and all(m.weight.is_mkldnn for m in linears)
+    assert linears and all(_packed_as(m.weight, fp32_path) for m in linears)
     assert not model.embed_tokens.weight.is_mkldnn  # read by the embedding and by EAGLE heads
     hidden = torch.randn(4, arch.hidden_size)
     torch.testing.assert_close(
@@ -248,5 +278,6 @@ def test_loaded_models_and_heads_are_packed_and_keep_their_plain_embedding(tmp_p
     config = head_config(arch, 1, 16)
     save_head(tmp_path, config, init_head_state(arch, torch.arange(16)))
     head, _ = build_head(tmp_path, model.embed_tokens.weight, model.lm_head_weight)
-    assert head.fc_weight.is_mkldnn and head.subset_lm_head.is_mkldnn
-    assert all(m.weight.is_mkldnn for m in head.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear))
+    assert _packed_as(head.fc_weight, fp32_path) and head.subset_lm_head.is_mkldnn  # 16 outputs: not a tile
+    head_linears = [m for m in head.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)]
+    assert all(_packed_as(m.weight, fp32_path) for m in head_linears)
