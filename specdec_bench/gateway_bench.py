@@ -185,7 +185,7 @@ def _service_env() -> dict[str, str]:
     keep = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
     keep.add("SPECDEC_LOG_LEVEL")  # e.g. DEBUG: the speculation policy's reasons, step by step
     keep.add("SPECDEC_MKL_PRODUCTS")  # 0: oneDNN's fp32 products (an A/B of shared/model/mkl_product.py)
-    keep.add("SPECDEC_BF16_TILES")  # 0: oneDNN's bf16 products (an A/B of shared/model/bf16_tiles.py)
+    keep.update({"SPECDEC_BF16_TILES", "SPECDEC_FP32_TILES"})  # 0: oneDNN's products (A/Bs of shared/model/tiles.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"

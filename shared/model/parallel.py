@@ -188,9 +188,9 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
 
 
 def takes_tiles(weight: torch.Tensor) -> bool:
-    """Whether our kernel (tiles.py) multiplies this weight: bf16 on an x86 CPU with AVX-512 BF16 and no AMX (0.4-0.7x
+    """Whether our kernel (tiles.py) multiplies this weight: bf16 on an x86 CPU with AVX-512 BF16 and no AMX (0.6-0.7x
     oneDNN's time at 1-8 rows on Zen 4), fp32 on a CPU with AVX-512 that is not Intel's, whose fp32 products MKL's
-    packed sgemm does not make (on Zen 4 0.69x / 0.75x / 0.88x oneDNN's time at 1 / 8 / 40 rows: docs/BENCHMARKS.md).
+    packed sgemm does not make (on Zen 4 0.64x / 0.64x / 0.85x oneDNN's time at 1 / 8 / 40 rows: docs/BENCHMARKS.md).
     Intel's keep MKL's, measured there; AMX hosts keep oneDNN's bf16 blocks and the compiled graph's templates."""
     if not tiles.fits(weight):
         return False

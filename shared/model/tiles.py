@@ -1,12 +1,13 @@
 """Products through our own kernel (tile_kernel.cpp) where the libraries' are slow for a decoding step's few rows.
 
 bf16 on an x86 CPU with AVX-512 BF16 and no AMX (AMD EPYC, Zen 4): there oneDNN's bf16 products cost the same at
-one row as at eight (4 at least, for rows that agree: parallel.MIN_PRODUCT_ROWS), and this kernel took 0.41-0.48x
-their time over the target's 121 products at one row, 0.62-0.68x at eight, 0.81-0.86x at 40 and 0.91-0.96x at
-prefill chunks of 128-512 (2 threads, `specdec_bench.tiles_bench --dtype bfloat16`).
+one row as at eight (4 at least, for rows that agree: parallel.MIN_PRODUCT_ROWS), and this kernel took 0.62x their
+time over the target's 121 products at one row, 0.61x at eight, 0.85x at 40 and 0.92-1.02x at prefill chunks of
+128-512 (2 threads, `specdec_bench.tiles_bench --dtype bfloat16`).
 
 fp32 on an x86 CPU with AVX-512 that is not Intel's (MKL's packed products serve Intel's, mkl_product.py): on Zen 4
-oneDNN's fp32 products left the fp32 target at 0.86x / 0.80x vLLM's speed at batch 1 / 8 (docs/BENCHMARKS.md).
+0.64x oneDNN's time at one and at eight rows, 0.85x at 40, 0.99-1.02x at 128-512 (`--dtype float32`), and the
+fp32 target decoded at 1.48x / 1.03x vLLM's CPU build at batch 1 / 8 (eager) where it had at 0.86x / 0.80x.
 
 Either way a step at batch 1 to 8 reads each weight from memory once, at the rate the memory gives, and a row's
 result is the same bits whatever the call holds (see the kernel's header).
