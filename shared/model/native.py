@@ -21,7 +21,7 @@ log = logging.getLogger("specdec.native")
 
 # -ffp-contract=off: the compiler may not fuse a multiply and an add in one place and not in another (the kernels
 # fuse explicitly where the CPU can), so a row's arithmetic is the same wherever it is inlined.
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # if constexpr
 X86_FLAGS = ("-mprefer-vector-width=512",)  # GCC's auto-vectorised loops (exp, softmax) otherwise stop at 256 bits
 
 

@@ -9,7 +9,7 @@
 // as vdpbf16ps orders it, an fp32 step as a multiply then an add.
 //
 // At one to eight rows a step reads every weight from memory once: on an AMD EPYC (Zen 4, 2 threads) the target's
-// 121 products took 0.45-0.68x oneDNN's time in bf16 and 0.65-0.75x in fp32 at 1-8 rows (docs/BENCHMARKS.md).
+// 121 products took 0.61-0.70x oneDNN's time in bf16 and 0.64-0.69x in fp32 at 1-8 rows (docs/BENCHMARKS.md).
 // Tiles of 32 outputs and 12 rows took 0.89-0.95x the time of the first version's 64 and 6 at 8-40 rows (one pass
 // over a tile for 8 rows, not 6 + 2; 576 outputs are 18 tiles, which two threads share evenly, not 9).
 //

@@ -84,7 +84,7 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
 
 def is_packed(weight: torch.Tensor) -> bool:
     if weight.dtype == torch.bfloat16:
-        return weight.dim() == 4 and weight.shape[2] == TILE
+        return weight.dim() == 4 and weight.shape[2] == TILE and weight.shape[3] == 2
     return weight.dtype == torch.float32 and weight.dim() == 3 and weight.shape[2] == TILE
 
 
@@ -108,6 +108,10 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     multiplied in fp32 and rounded once, as parallel.linear does with oneDNN's fp32 copies."""
     if packed.dtype == torch.bfloat16 and rows.dtype != torch.bfloat16:
         raise ValueError(f"a bf16-tiled weight multiplies bf16 rows, not {rows.dtype}")
+    if rows.dim() != 2 or rows.shape[1] != in_features(packed):  # the kernel would read past the rows
+        raise ValueError(f"rows {tuple(rows.shape)} do not fit a tiled weight of {in_features(packed)} inputs")
+    if bias is not None and bias.shape != (out_features(packed),):
+        raise ValueError(f"a bias of shape {tuple(bias.shape)} for a tiled weight of {out_features(packed)} outputs")
     if packed.dtype == torch.float32 and rows.dtype != torch.float32:
         return product(rows.float(), packed, None if bias is None else bias.float()).to(rows.dtype)
     lib = load_kernel()

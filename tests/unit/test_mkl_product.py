@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shared.model import mkl_product, parallel
+from shared.model import mkl_product, parallel, tiles
 from shared.model.build import CacheConfig, make_runner
 from shared.model.compiled import _PRODUCTS, CompiledForward
 from shared.model.eagle import build_head, head_config, init_head_state, save_head
@@ -29,8 +29,10 @@ def mkl(monkeypatch):
     """The MKL path on this CPU whatever its vendor, each shape checked afresh. Where MKL's packed rows depend on
     the row count for every shape (an AMD EPYC, Zen 4, 2026-12-04: MKL's kernels are not Intel's own there),
     pack_weight refuses them and keeps oneDNN's, which is the check doing its work: the MKL path is never taken
-    on such a CPU, and these tests have nothing of it to hold."""
+    on such a CPU, and these tests have nothing of it to hold. Our own kernel, which pack_weight gives fp32 weights
+    before MKL on AVX-512 CPUs that are not Intel's (tiles.py), is turned off."""
     monkeypatch.setattr(mkl_product, "available", lambda: True)
+    monkeypatch.setattr(tiles, "enabled", lambda dtype: False)
     monkeypatch.setattr(mkl_product, "_checked", {})
     if mkl_product.pack(torch.randn(96, 64)) is None:
         pytest.skip("MKL's packed products depend on the row count on this CPU: pack_weight keeps oneDNN's")

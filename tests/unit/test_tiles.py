@@ -2,7 +2,9 @@
 
 Forced on any CPU: without AVX-512 (BF16) the kernel builds its portable path, which sums in the same order, so what
 is tested here (the product within one rounding of the fp32 one, a row's bits independent of the rest of the call
-and of the threads) holds for both builds. The whole forward's one-token steps against its scored rows run in
+and of the threads) holds for both builds. (Their fp32 bits differ from each other: the portable path rounds each
+product and each sum, AVX-512 fuses them; each build is invariant in itself, and the services take only the
+native one.) The whole forward's one-token steps against its scored rows run in
 tests/unit/test_packed_linear.py (its "bf16 tiles" and "fp32 tiles" paths)."""
 
 from __future__ import annotations
@@ -134,3 +136,14 @@ def test_tiles_are_taken_where_the_cpu_calls_for_them(monkeypatch):
         assert not tiles.enabled(torch.float32) and not tiles.is_packed(pack_weight(fp32))
     finally:
         tiles.enabled.cache_clear()
+
+
+def test_rows_or_a_bias_that_do_not_fit_the_weight_are_refused(tiled):
+    """The kernel trusts the widths it is given: a mismatch must raise, as F.linear does, not read past a buffer."""
+    for dtype in DTYPES:
+        packed = pack_weight(torch.randn(64, 32).to(dtype))
+        with pytest.raises(ValueError, match="do not fit"):
+            linear(torch.randn(3, 16).to(dtype), packed)
+        with pytest.raises(ValueError, match="bias of shape"):
+            linear(torch.randn(3, 32).to(dtype), packed, torch.randn(8).to(dtype))
+        assert linear(torch.randn(3, 32).to(dtype), packed, torch.randn(64).to(dtype)).shape == (3, 64)
