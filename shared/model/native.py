@@ -17,6 +17,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from shared.model.cpuinfo import cpuinfo_field
+
 log = logging.getLogger("specdec.native")
 
 # -ffp-contract=off: the compiler may not fuse a multiply and an add in one place and not in another (the kernels
@@ -35,11 +37,8 @@ def cache_dir() -> Path:
 
 
 def _cpu_features() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith(("flags", "Features"))), platform.processor())
+    """The CPU's feature flags (x86 `flags`, ARM `Features`), else the processor's name."""
+    return cpuinfo_field("flags") or cpuinfo_field("Features") or platform.processor()
 
 
 def build(source: Path, what: str) -> ctypes.CDLL | None:

@@ -106,22 +106,23 @@ def product(rows: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     """rows [n, in] @ the packed weight's [out, in].T (+ bias) -> [n, out] in the rows' dtype. A bf16 weight takes
     bf16 rows. An fp32 weight (or an fp32 copy of a half one: a CPU without half kernels) also takes half rows,
     multiplied in fp32 and rounded once, as parallel.linear does with oneDNN's fp32 copies."""
-    if packed.dtype == torch.bfloat16 and rows.dtype != torch.bfloat16:
+    bf16, inputs, outputs = packed.dtype == torch.bfloat16, in_features(packed), out_features(packed)
+    if bf16 and rows.dtype != torch.bfloat16:
         raise ValueError(f"a bf16-tiled weight multiplies bf16 rows, not {rows.dtype}")
-    if rows.dim() != 2 or rows.shape[1] != in_features(packed):  # the kernel would read past the rows
-        raise ValueError(f"rows {tuple(rows.shape)} do not fit a tiled weight of {in_features(packed)} inputs")
-    if bias is not None and bias.shape != (out_features(packed),):
-        raise ValueError(f"a bias of shape {tuple(bias.shape)} for a tiled weight of {out_features(packed)} outputs")
-    if packed.dtype == torch.float32 and rows.dtype != torch.float32:
+    if rows.dim() != 2 or rows.shape[1] != inputs:  # the kernel would read past the rows
+        raise ValueError(f"rows {tuple(rows.shape)} do not fit a tiled weight of {inputs} inputs")
+    if bias is not None and bias.shape != (outputs,):
+        raise ValueError(f"a bias of shape {tuple(bias.shape)} for a tiled weight of {outputs} outputs")
+    if not bf16 and rows.dtype != torch.float32:
         return product(rows.float(), packed, None if bias is None else bias.float()).to(rows.dtype)
     lib = load_kernel()
     assert lib is not None, "a weight was tiled for the product kernel, which no longer loads"
     rows = rows.contiguous()
-    out = rows.new_empty(rows.shape[0], out_features(packed))
+    out = rows.new_empty(rows.shape[0], outputs)
     bias = None if bias is None else bias.to(packed.dtype).contiguous()  # held until the call returns
-    kernel = lib.specdec_bf16_product if packed.dtype == torch.bfloat16 else lib.specdec_fp32_product
+    kernel = lib.specdec_bf16_product if bf16 else lib.specdec_fp32_product
     kernel(
         rows.data_ptr(), packed.data_ptr(), None if bias is None else bias.data_ptr(), out.data_ptr(),
-        rows.shape[0], out.shape[1], rows.shape[1], torch.get_num_threads(),
+        rows.shape[0], outputs, inputs, torch.get_num_threads(),
     )  # fmt: skip
     return out
