@@ -261,13 +261,15 @@ def test_one_late_reply_keeps_the_stream_and_the_proposers_state():
             calls["n"] += 1
             seen.extend((r.seq_id, r.committed_len, len(r.new_token_ids)) for r in requests)
             if calls["n"] == 4:
-                time.sleep(0.45)  # past the verifier's 300 ms deadline, once (and done before the next is late)
+                # Past the verifier's 1 s deadline, once, and done long before the next step's: on CI's loaded
+                # 2-core machine a 300 ms deadline against a 450 ms sleep once timed out twice.
+                time.sleep(1.2)
             return propose(requests)
 
         drafter.propose = slow_once  # type: ignore[method-assign]
         info = ProposerInfo("draft-model", "tiny", VOCAB, "", 8, MAX_LEN)
         proposer = await ProposerServer.start(ProposerConfig(host="127.0.0.1", port=0), drafter, info)
-        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"], proposer_timeout_ms=300)
+        verifier = await start_verifier([f"127.0.0.1:{proposer.port}"], proposer_timeout_ms=1000)
         remote = verifier.proposer
         assert remote is not None
         try:
