@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from shared.model import cpu_attention, tiles
+from shared.model import cpu_attention, small_ops, tiles
 
 
 def main() -> None:
@@ -13,6 +13,8 @@ def main() -> None:
     print(f"cpu attention kernel: {lib._name if lib is not None else 'not built; auto runs the torch backend'}")
     products = tiles.load_kernel()
     print(f"product kernel: {products._name if products is not None else 'not built; products run in oneDNN'}")
+    ops = small_ops.load_kernel()
+    print(f"small-ops kernel: {ops._name if ops is not None else 'not built; RMSNorm and rotary run as torch ops'}")
 
 
 if __name__ == "__main__":

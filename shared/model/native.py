@@ -1,5 +1,6 @@
-"""The C++ kernels (paged_kernel.cpp for the cpu attention backend, tile_kernel.cpp for bf16 and fp32 products),
-built once per machine with the system's C++ compiler and loaded through ctypes.
+"""The C++ kernels (paged_kernel.cpp for the cpu attention backend, tile_kernel.cpp for bf16 and fp32 products,
+small_ops_kernel.cpp for the eager forward's RMSNorm, rotary and K/V writes), built once per machine
+with the system's C++ compiler and loaded through ctypes.
 
 Built with `-march=native` into SPECDEC_KERNEL_CACHE (default ~/.cache/specdec/kernels), under a name that hashes
 the source, the flags, the compiler and the CPU's feature flags, so a container image shared by machines never

@@ -1,0 +1,142 @@
+// The eager forward's small ops in one call each, fp32 or bf16, where torch runs a few microseconds of dispatch
+// per op over a decoding step's few rows (AMD EPYC, Zen 4, 2 threads; torch profiler, fp32 forward at batch 8):
+//
+// RMSNorm: out[r, :] = weight * (x[r, :] * rsqrt(mean(x[r, :]^2) + eps)), six ops (eight in bf16) 61 times a
+// forward, 1.3-2 ms of a 31 ms step (measured by dropping the norms). Each row is one thread's, its sum of squares
+// 16 fp32 partial sums over the row in order (lane j takes the elements j, j + 16, ...), folded in one fixed order:
+// a row's result is the same bits whatever the row count, where the row sits and how many threads share the call.
+// It rounds where torch's ops do: x * rsqrt(...) once, in fp32, and stored in x's dtype (bf16: to nearest even),
+// then weight * that, in fp32, stored in x's dtype.
+//
+// Rotary and the K/V cache writes: from each row of the q/k/v product, the queries rotated into `q_out`, the keys
+// rotated and the values as they are into their cache slots, where torch runs seven ops a layer
+// (rope.apply_rotation's multiplies, roll and add; write_kv's two index_copy_), 0.8 ms of a 30 ms step. The
+// arithmetic is apply_rotation's, element by element: x * cos and rolled(x) * signed_sin each rounded to x's dtype,
+// then their sum (built with -ffp-contract=off: never fused), so the bits are those of the ops; copies are exact.
+//
+// Rows are independent; a prefill chunk's are shared among threads. Built at run time by shared/model/small_ops.py
+// through shared/model/native.py (-march=native).
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t bits) {
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float out;
+    std::memcpy(&out, &wide, sizeof out);
+    return out;
+}
+
+inline uint16_t to_bf16(float x) {  // round to nearest even, as torch's conversion does
+    uint32_t bits;
+    std::memcpy(&bits, &x, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // a quiet NaN
+    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+inline float round_to(float x, const float*) { return x; }  // x as stored in the dtype of the pointer
+inline float round_to(float x, const uint16_t*) { return to_float(to_bf16(x)); }
+inline void put(float* out, float x) { *out = x; }
+inline void put(uint16_t* out, float x) { *out = to_bf16(x); }
+
+// ---- RMSNorm ----
+
+constexpr int LANES = 16;
+
+template <typename T>
+void norm_row(const T* x, const T* weight, T* out, int64_t n, float eps) {
+    float lanes[LANES] = {};
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; ++j) {
+            const float v = to_float(x[i + j]);
+            lanes[j] += v * v;
+        }
+    for (int j = 0; i + j < n; ++j) {
+        const float v = to_float(x[i + j]);
+        lanes[j] += v * v;
+    }
+    for (int width = LANES / 2; width > 0; width /= 2)  // pairwise, always the same pairs
+        for (int j = 0; j < width; ++j) lanes[j] += lanes[j + width];
+    const float inverse = 1.0f / std::sqrt(lanes[0] / static_cast<float>(n) + eps);
+    for (int64_t k = 0; k < n; ++k) {
+        const float normed = round_to(to_float(x[k]) * inverse, x);  // x * rsqrt(...), in x's dtype
+        put(out + k, to_float(weight[k]) * normed);
+    }
+}
+
+template <typename T>
+void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, float eps, int threads) {
+    // A decoding step's few rows cost less than waking a second thread; a prefill chunk's are shared.
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 32)
+    for (int64_t r = 0; r < rows; ++r) norm_row(x + r * n, weight, out + r * n, n, eps);
+}
+
+// ---- rotary and the K/V cache writes ----
+// One head's vector: its first `rot` values rotated (the halves rolled against each other), the rest copied.
+template <typename T>
+void rotate(const T* x, const T* cos, const T* signed_sin, T* out, int64_t dim, int64_t rot) {
+    const int64_t half = rot / 2;
+    for (int64_t d = 0; d < rot; ++d) {
+        const float a = round_to(to_float(x[d]) * to_float(cos[d]), x);
+        const float b = round_to(to_float(x[d < half ? d + half : d - half]) * to_float(signed_sin[d]), x);
+        put(out + d, a + b);
+    }
+    std::memcpy(out + rot, x + rot, (dim - rot) * sizeof(T));
+}
+
+// Returns 0, or -1 without writing anything where a slot is outside the cache (as index_copy_ refuses one).
+template <typename T>
+int rotate_and_store(const T* qkv, int64_t row_stride, const T* cos, const T* signed_sin, int64_t rot, T* q_out,
+                     T* k_cache, T* v_cache, const int64_t* slots, int64_t num_slots, int64_t tokens, int64_t heads,
+                     int64_t kv_heads, int64_t dim, int threads) {
+    for (int64_t t = 0; t < tokens; ++t)
+        if (slots[t] < 0 || slots[t] >= num_slots) return -1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (tokens >= 32)
+    for (int64_t t = 0; t < tokens; ++t) {
+        const T* row = qkv + t * row_stride;
+        const T* c = cos + t * rot;
+        const T* s = signed_sin + t * rot;
+        for (int64_t h = 0; h < heads; ++h) rotate(row + h * dim, c, s, q_out + (t * heads + h) * dim, dim, rot);
+        T* k_slot = k_cache + slots[t] * kv_heads * dim;
+        for (int64_t h = 0; h < kv_heads; ++h) rotate(row + (heads + h) * dim, c, s, k_slot + h * dim, dim, rot);
+        std::memcpy(v_cache + slots[t] * kv_heads * dim, row + (heads + kv_heads) * dim, kv_heads * dim * sizeof(T));
+    }
+    return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+void specdec_fp32_rms_norm(const float* x, const float* weight, float* out, int64_t rows, int64_t n, float eps,
+                           int threads) {
+    norm_rows(x, weight, out, rows, n, eps, threads);
+}
+
+void specdec_bf16_rms_norm(const uint16_t* x, const uint16_t* weight, uint16_t* out, int64_t rows, int64_t n,
+                           float eps, int threads) {
+    norm_rows(x, weight, out, rows, n, eps, threads);
+}
+
+
+int specdec_fp32_rotate_and_store(const float* qkv, int64_t row_stride, const float* cos, const float* signed_sin,
+                                  int64_t rot, float* q_out, float* k_cache, float* v_cache, const int64_t* slots,
+                                  int64_t num_slots, int64_t tokens, int64_t heads, int64_t kv_heads, int64_t dim,
+                                  int threads) {
+    return rotate_and_store(qkv, row_stride, cos, signed_sin, rot, q_out, k_cache, v_cache, slots, num_slots, tokens,
+                            heads, kv_heads, dim, threads);
+}
+
+int specdec_bf16_rotate_and_store(const uint16_t* qkv, int64_t row_stride, const uint16_t* cos,
+                                  const uint16_t* signed_sin, int64_t rot, uint16_t* q_out, uint16_t* k_cache,
+                                  uint16_t* v_cache, const int64_t* slots, int64_t num_slots, int64_t tokens,
+                                  int64_t heads, int64_t kv_heads, int64_t dim, int threads) {
+    return rotate_and_store(qkv, row_stride, cos, signed_sin, rot, q_out, k_cache, v_cache, slots, num_slots, tokens,
+                            heads, kv_heads, dim, threads);
+}
+
+}  // extern "C"
