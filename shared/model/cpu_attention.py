@@ -26,14 +26,8 @@ HEAD_SIZES = (16, 32, 64, 96, 128, 256)  # the kernel's builds (each a template 
 def load_kernel(source: Path = SOURCE) -> ctypes.CDLL | None:
     """The built kernel, building it on first use; None (logged) where it cannot be built or loaded. `source`:
     another version of paged_kernel.cpp, for specdec_bench.kernel_bench's A/B of two builds."""
-    lib = native.build(source, "cpu attention kernel")
-    if lib is None:
-        return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    for name in DTYPES.values():
-        getattr(lib, name).argtypes = [pointer] * 10 + [integer] * 5 + [ctypes.c_float, ctypes.c_int]
-        getattr(lib, name).restype = None
-    return lib
+    attention = ([ctypes.c_void_p] * 10 + [ctypes.c_int64] * 5 + [ctypes.c_float, ctypes.c_int], None)
+    return native.build(source, "cpu attention kernel", {name: attention for name in DTYPES.values()})
 
 
 def supports(dtype: torch.dtype | None, head_dim: int | None) -> bool:

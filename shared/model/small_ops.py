@@ -26,19 +26,22 @@ NORM_SWITCH, ROPE_SWITCH = "SPECDEC_NORM_KERNEL", "SPECDEC_ROPE_KERNEL"
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The built kernel (built on first use); None where it cannot be built."""
-    lib = native.build(SOURCE, "small-ops kernel")
-    if lib is None:
-        return None
     pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    for name in ("specdec_fp32_rms_norm", "specdec_bf16_rms_norm"):
-        getattr(lib, name).argtypes = [pointer] * 3 + [integer] * 2 + [ctypes.c_float, ctypes.c_int]
-        getattr(lib, name).restype = None
-    for name in ("specdec_fp32_rotate_and_store", "specdec_bf16_rotate_and_store"):
-        function = getattr(lib, name)
-        function.argtypes = [pointer, integer, pointer, pointer, integer] + [pointer] * 4 + [integer] * 5
-        function.argtypes += [ctypes.c_int]
-        function.restype = ctypes.c_int
-    return lib
+    norm = ([pointer] * 3 + [integer] * 2 + [ctypes.c_float, ctypes.c_int], None)
+    rotate = (
+        [pointer, integer, pointer, pointer, integer] + [pointer] * 4 + [integer] * 5 + [ctypes.c_int],
+        ctypes.c_int,
+    )
+    return native.build(
+        SOURCE,
+        "small-ops kernel",
+        {
+            "specdec_fp32_rms_norm": norm,
+            "specdec_bf16_rms_norm": norm,
+            "specdec_fp32_rotate_and_store": rotate,
+            "specdec_bf16_rotate_and_store": rotate,
+        },
+    )
 
 
 @functools.cache

@@ -20,22 +20,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "bf16.h"
+
 namespace {
 
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t bits) {
-    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
-    float out;
-    std::memcpy(&out, &wide, sizeof out);
-    return out;
-}
-
-inline uint16_t to_bf16(float x) {  // round to nearest even, as torch's conversion does
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // a quiet NaN
-    return static_cast<uint16_t>((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
+using specdec::to_bf16;
+using specdec::to_float;
 
 inline float round_to(float x, const float*) { return x; }  // x as stored in the dtype of the pointer
 inline float round_to(float x, const uint16_t*) { return to_float(to_bf16(x)); }
@@ -76,6 +66,7 @@ void norm_rows(const T* x, const T* weight, T* out, int64_t rows, int64_t n, flo
 }
 
 // ---- rotary and the K/V cache writes ----
+
 // One head's vector: its first `rot` values rotated (the halves rolled against each other), the rest copied.
 template <typename T>
 void rotate(const T* x, const T* cos, const T* signed_sin, T* out, int64_t dim, int64_t rot) {
@@ -121,7 +112,6 @@ void specdec_bf16_rms_norm(const uint16_t* x, const uint16_t* weight, uint16_t* 
                            float eps, int threads) {
     norm_rows(x, weight, out, rows, n, eps, threads);
 }
-
 
 int specdec_fp32_rotate_and_store(const float* qkv, int64_t row_stride, const float* cos, const float* signed_sin,
                                   int64_t rot, float* q_out, float* k_cache, float* v_cache, const int64_t* slots,

@@ -22,7 +22,12 @@
 #include <immintrin.h>
 #endif
 
+#include "bf16.h"
+
 namespace {
+
+using specdec::to_bf16;
+using specdec::to_float;
 
 constexpr int64_t TILE = 32;  // outputs of a tile: 2 vectors of 16
 constexpr int ROWS = 12;      // rows sharing a tile's weights: 24 accumulators, 2 weight vectors, 1 broadcast
@@ -71,21 +76,6 @@ inline Acc bf16_step(Acc acc, uint32_t pair, const uint16_t* weights) {
     return acc;
 }
 #endif
-
-inline float to_float(uint16_t x) {
-    const uint32_t bits = static_cast<uint32_t>(x) << 16;
-    float out;
-    std::memcpy(&out, &bits, sizeof out);
-    return out;
-}
-
-inline uint16_t to_bf16(float x) {  // round to nearest even, as torch's conversion does
-    uint32_t bits;
-    std::memcpy(&bits, &x, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);  // NaN stays NaN
-    bits += 0x7fffu + ((bits >> 16) & 1u);
-    return static_cast<uint16_t>(bits >> 16);
-}
 
 // R rows of bf16 x against one tile: sums[r][32].
 template <int R>

@@ -36,15 +36,18 @@ SWITCHES = {torch.bfloat16: "SPECDEC_BF16_TILES", torch.float32: "SPECDEC_FP32_T
 @functools.cache
 def load_kernel() -> ctypes.CDLL | None:
     """The built kernel (built on first use); None where it cannot be built."""
-    lib = native.build(SOURCE, "product kernel")
-    if lib is None:
-        return None
-    pointer, integer = ctypes.c_void_p, ctypes.c_int64
-    for name in ("specdec_bf16_product", "specdec_fp32_product"):
-        getattr(lib, name).argtypes = [pointer] * 4 + [integer] * 3 + [ctypes.c_int]
-        getattr(lib, name).restype = None
-    lib.specdec_bf16_native.restype = lib.specdec_fp32_native.restype = ctypes.c_int
-    return lib
+    multiply = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int], None)
+    native_build: native.Signature = ((), ctypes.c_int)
+    return native.build(
+        SOURCE,
+        "product kernel",
+        {
+            "specdec_bf16_product": multiply,
+            "specdec_fp32_product": multiply,
+            "specdec_bf16_native": native_build,
+            "specdec_fp32_native": native_build,
+        },
+    )
 
 
 def native_instructions(dtype: torch.dtype) -> bool:
