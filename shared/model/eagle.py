@@ -180,9 +180,10 @@ class EagleHead(torch.nn.Module):
         x = torch.cat([features.to(self.dtype), F.embedding(next_ids, self.embed_weight)], dim=-1)
         x = linear(x, self.fc_weight, self.fc_bias)
         cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # llama.DecoderLayer's form
+        delta: torch.Tensor | None = None
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches, strict=True):
-            x = layer(x, cos, signed_sin, k_cache, v_cache, meta, self.backend)
-        return x
+            x, delta = layer(x, delta, cos, signed_sin, k_cache, v_cache, meta, self.backend)
+        return x + delta if delta is not None else x
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, draft_vocab] fp32

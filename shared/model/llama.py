@@ -56,6 +56,15 @@ class RMSNorm(torch.nn.Module):
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
 
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm), the same bits as the add then the norm; one call where the kernel runs."""
+        if delta is None:
+            return x, self(x)
+        if small_ops.takes_add_norm(x, delta, self.weight):
+            return small_ops.add_rms_norm(x, delta, self.weight, self.eps)
+        x = x + delta
+        return x, self(x)
+
 
 class Attention(torch.nn.Module):
     def __init__(self, arch: ModelArch, tp: TensorParallel) -> None:
@@ -102,7 +111,10 @@ class MLP(torch.nn.Module):
         self.down_proj = RowParallelLinear(arch.intermediate_size, arch.hidden_size, arch.mlp_bias, tp)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split([self.inter, self.inter], dim=-1)
+        gate_up = self.gate_up_proj(x)  # [T, 2 inter]
+        if small_ops.takes_silu(gate_up):  # one call instead of a split, a SiLU and a multiply
+            return self.down_proj(small_ops.silu_mul(gate_up, self.inter))
+        gate, up = gate_up.split([self.inter, self.inter], dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -114,9 +126,14 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = MLP(arch, tp)
 
-    def forward(self, x, cos, signed_sin, k_cache, v_cache, meta, backend) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, signed_sin, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, delta, cos, signed_sin, k_cache, v_cache, meta, backend) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream in as x + delta (delta None: x alone), out the same way: each residual add runs with
+        the norm after it (add_and_norm), the last one with the next layer's first norm."""
+        x, normed = self.input_layernorm.add_and_norm(x, delta)
+        x, normed = self.post_attention_layernorm.add_and_norm(
+            x, self.self_attn(normed, cos, signed_sin, k_cache, v_cache, meta, backend)
+        )
+        return x, self.mlp(normed)
 
 
 class LlamaModel(torch.nn.Module):
@@ -173,11 +190,12 @@ class LlamaModel(torch.nn.Module):
         x = self.embed_tokens(input_ids)
         cos, signed_sin = rotation_tables(*self.rotary(meta.positions, x.dtype))  # [T, 1, rot_dim] x2
         captured: dict[int, torch.Tensor] = {}
+        delta: torch.Tensor | None = None
         for i, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv_caches, strict=True)):
-            x = layer(x, cos, signed_sin, k_cache, v_cache, meta, self.backend)
+            x, delta = layer(x, delta, cos, signed_sin, k_cache, v_cache, meta, self.backend)
             if i in layers:
-                captured[i] = x
-        final = self.norm(x)
+                captured[i] = x + delta
+        final = self.norm.add_and_norm(x, delta)[1]
         captured[-1] = final
         return final, torch.cat([captured[i] for i in layers], dim=-1) if layers else None
 

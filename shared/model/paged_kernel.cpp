@@ -22,6 +22,8 @@
 #include <immintrin.h>
 #endif
 
+#include "exp.h"
+
 namespace {
 
 typedef float vf __attribute__((vector_size(64)));  // 16 lanes: one AVX-512 register, two AVX2 ones
@@ -97,23 +99,11 @@ inline float sum(vf x) {  // a fixed tree: halves, quarters, ...
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
-// exp(x) for x <= 0 (scores minus their max), Cephes' expf polynomial, written out so that the loop around it
-// vectorises (the C library's expf is a call per element). Adding and taking away 1.5 * 2^23 rounds to an integer.
+// exp(x) for x <= 0 (scores minus their max); below -87 the result would leave the normal floats.
 inline float exp_nonpositive(float x) {
     x = x < -87.0f ? -87.0f : x;
-    const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32_t e = (static_cast<int32_t>(n) + 127) << 23;
-    float scale;
-    std::memcpy(&scale, &e, sizeof scale);
-    return p * scale;
+    const float n = specdec::exp_steps(x);
+    return specdec::exp_reduced(x, n) * specdec::power_of_two(static_cast<int32_t>(n));
 }
 
 // Softmax of one query's scores in place; the layout (16 lanes, the tail padded with -inf) is fixed by their count.
