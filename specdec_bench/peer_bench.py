@@ -246,7 +246,7 @@ def run_interleaved(
                 passes: dict[str, dict] = {engine: {} for engine in jobs}
                 for batch in BATCHES:
                     for engine in order:
-                        passes[engine][str(batch)] = workers[engine].ask({"batch": batch})
+                        passes[engine][str(batch)] = quiet_pass(workers, engine, batch)
                 for engine in jobs:
                     results[engine].append({"load_s": ready[engine].get("load_s"), "runs": passes[engine]})
                 say(f"round {rnd + 1}/{rounds} {tag}: " + _speeds(results, rnd, jobs["ours"]["max_tokens"]))
@@ -258,6 +258,17 @@ def run_interleaved(
                 last = worker.stop()
                 if last.get("spec") and results[engine] and "error" not in results[engine][0]:
                     results[engine][0]["spec"] = last["spec"]  # vLLM's counters cover its whole life: once
+
+
+def quiet_pass(workers: dict[str, Worker], engine: str, batch: int) -> dict:
+    """One timed pass of `engine` once the other engines' processes are quiet, with the CPU seconds they used
+    during it (`beside_cpu_s`): an engine that keeps working while it waits takes the cores from the one measured."""
+    others = [w for name, w in workers.items() if name != engine]
+    for other in others:
+        other.wait_quiet()
+    before = sum(other.cpu_seconds() for other in others)
+    result = workers[engine].ask({"batch": batch})
+    return result | {"beside_cpu_s": sum(other.cpu_seconds() for other in others) - before}
 
 
 def _speeds(results: dict[str, list[dict]], rnd: int, max_tokens: int) -> str:
@@ -405,9 +416,16 @@ def summarise(results: dict, rows: list[tuple[str, str]], max_tokens: int) -> li
                     "our_acceptance": accepted / drafted if drafted else None,
                     "errors": sorted({r["error"] for r in ours + vllm if "error" in r}),
                     "vllm_acceptance": _vllm_acceptance(vllm),
+                    "beside": (_most_beside(vllm, ours, batch), _most_beside(ours, vllm, batch)),
                 }
             )
     return table
+
+
+def _most_beside(waiting: list[dict], measured: list[dict], batch: int) -> float | None:
+    """The most CPU seconds the waiting engine used during one of the measured engine's passes (interleaved)."""
+    used = [r["runs"][str(batch)].get("beside_cpu_s") for r in measured if "error" not in r]
+    return max((u for u in used if u is not None), default=None) if waiting else None
 
 
 def _vllm_acceptance(runs: list[dict]) -> float | None:
@@ -453,7 +471,8 @@ def render(table: list[dict], meta: dict) -> str:
         + (
             "per row both engines loaded once, each in its own process, and warmed up by one untimed pass; a round "
             "is one timed pass of each at batch 1, then of each at batch 8, one engine working at a time (the "
-            "other blocked on a pipe), the first flipping every round"
+            "other blocked on a pipe, and quiet before the pass starts: vLLM's worker busy-polls for a second after "
+            "its last step), the first flipping every round"
             if meta.get("interleaved")
             else "each round runs every row as a fresh process per engine, one process at a time, the order "
             "flipping every round, after one untimed warm-up pass"
@@ -462,8 +481,8 @@ def render(table: list[dict], meta: dict) -> str:
         "per-round ratios in brackets)",
         "",
         "| dtype | configuration | batch | ours tok/s | vLLM tok/s | ours / vLLM | per round | greedy outputs equal | "
-        "our acceptance | vLLM acceptance |",
-        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+        "our acceptance | vLLM acceptance | CPU s of the waiting engine: vLLM's in our pass / ours in vLLM's |",
+        "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
     ]
     for r in table:
         per_round = ", ".join(f"{x:.2f}" for x in r["ratios"])
@@ -471,7 +490,7 @@ def render(table: list[dict], meta: dict) -> str:
             f"| {r['dtype']} | {ROW_LABELS[r['row']]} | {r['batch']} | {_fmt(r['ours'], '.1f')} | "
             f"{_fmt(r['vllm'], '.1f')} | {_fmt(r['ratio'], '.2f')} | [{per_round}] | "
             f"{_fmt(r['same_outputs'], 'd')}/8 | {_fmt(r['our_acceptance'], '.3f')} | "
-            f"{_fmt(r['vllm_acceptance'], '.3f')} |"
+            f"{_fmt(r['vllm_acceptance'], '.3f')} | {_fmt(r['beside'][0], '.2f')} / {_fmt(r['beside'][1], '.2f')} |"
         )
     errors = sorted({e for r in table for e in r["errors"]})
     if errors:

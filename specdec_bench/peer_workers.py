@@ -2,9 +2,15 @@
 
 On a shared machine whose speed drifts by more than the gap between two engines within minutes, fresh processes
 one after another compare one minute's machine with another's. Here each engine is one long-lived worker process
-that loads its model and warms up once, then waits, blocked on a pipe, doing nothing, until the driver asks it for
-one timed pass at a batch size; the driver asks the two in turn, a pass each, the order flipping every round, so
-each ratio compares passes seconds apart.
+that loads its model and warms up once, then waits, blocked on a pipe, until the driver asks it for one timed pass
+at a batch size; the driver asks the two in turn, a pass each, the order flipping every round, so each ratio
+compares passes seconds apart.
+
+Waiting is not always idle: vLLM's worker process busy-polls its shared-memory queue for a second after its last
+step (shm_broadcast's SpinCondition, `busy_loop_s = 1`), which on two cores took a quarter of the next pass's speed
+from whichever engine ran next (ours, bf16 at batch 8: 303 tokens/s right after a vLLM pass, 405 alone). So before
+a pass the driver waits until the other engine's processes have gone quiet (`wait_quiet`), and it counts the CPU
+time they use during the pass (`cpu_seconds`), which the report shows.
 
 The protocol is one JSON object per line over two pipes of their own (the engines' logs keep stdout and stderr):
 the worker says `{"ready": ..., "load_s": ...}` once warmed up, answers `{"batch": B}` with that pass's result and
@@ -23,6 +29,23 @@ import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+# Quiet: the worker's processes used under 5% of a core over a window of a quarter of a second
+QUIET_WINDOW_S, QUIET_SHARE, QUIET_LIMIT_S = 0.25, 0.05, 10.0
+
+
+def session_cpu_seconds(session: int) -> float:
+    """User + system CPU seconds used so far by every live process of `session` (a worker's own session: the
+    engine and the processes it started), from /proc; 0 where /proc cannot tell."""
+    total = 0
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after the command's name, which may hold spaces
+        except (OSError, IndexError):
+            continue  # a process that ended meanwhile
+        if len(fields) > 12 and int(fields[3]) == session:  # field 6 of proc(5): the session; 14, 15: utime, stime
+            total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 class WorkerDied(RuntimeError):
@@ -62,6 +85,23 @@ class Worker:
         except BrokenPipeError as e:
             raise WorkerDied(self._why()) from e
         return self._receive()
+
+    def cpu_seconds(self) -> float:
+        """CPU seconds its processes have used so far."""
+        return session_cpu_seconds(self.proc.pid)
+
+    def wait_quiet(self) -> float:
+        """Until its processes use under QUIET_SHARE of a core over QUIET_WINDOW_S (at most QUIET_LIMIT_S): the
+        seconds waited."""
+        start = time.monotonic()
+        used = self.cpu_seconds()
+        while time.monotonic() - start < QUIET_LIMIT_S:
+            time.sleep(QUIET_WINDOW_S)
+            now = self.cpu_seconds()
+            if now - used < QUIET_SHARE * QUIET_WINDOW_S:
+                break
+            used = now
+        return time.monotonic() - start
 
     def stop(self) -> dict:
         """Its last words (or {} when it is already gone), then the process group ends."""
