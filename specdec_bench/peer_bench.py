@@ -416,16 +416,17 @@ def summarise(results: dict, rows: list[tuple[str, str]], max_tokens: int) -> li
                     "our_acceptance": accepted / drafted if drafted else None,
                     "errors": sorted({r["error"] for r in ours + vllm if "error" in r}),
                     "vllm_acceptance": _vllm_acceptance(vllm),
-                    "beside": (_most_beside(vllm, ours, batch), _most_beside(ours, vllm, batch)),
+                    "beside": (_most_beside(ours, batch), _most_beside(vllm, batch)),
                 }
             )
     return table
 
 
-def _most_beside(waiting: list[dict], measured: list[dict], batch: int) -> float | None:
-    """The most CPU seconds the waiting engine used during one of the measured engine's passes (interleaved)."""
+def _most_beside(measured: list[dict], batch: int) -> float | None:
+    """The most CPU seconds the other engine used during one of the measured engine's passes (interleaved runs
+    only: fresh processes have no other engine beside them)."""
     used = [r["runs"][str(batch)].get("beside_cpu_s") for r in measured if "error" not in r]
-    return max((u for u in used if u is not None), default=None) if waiting else None
+    return max((u for u in used if u is not None), default=None)
 
 
 def _vllm_acceptance(runs: list[dict]) -> float | None:

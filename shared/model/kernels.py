@@ -14,7 +14,8 @@ def main() -> None:
     products = tiles.load_kernel()
     print(f"product kernel: {products._name if products is not None else 'not built; products run in oneDNN'}")
     ops = small_ops.load_kernel()
-    print(f"small-ops kernel: {ops._name if ops is not None else 'not built; RMSNorm and rotary run as torch ops'}")
+    fallback = "not built; the norms, rotary, residual adds and SiLU run as torch ops"
+    print(f"small-ops kernel: {ops._name if ops is not None else fallback}")
 
 
 if __name__ == "__main__":

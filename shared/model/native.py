@@ -1,6 +1,6 @@
 """The C++ kernels (paged_kernel.cpp for the cpu attention backend, tile_kernel.cpp for bf16 and fp32 products,
-small_ops_kernel.cpp for the eager forward's RMSNorm, rotary and K/V writes), built once per machine
-with the system's C++ compiler and loaded through ctypes.
+small_ops_kernel.cpp for the eager forward's RMSNorm, rotary, K/V writes, residual adds and SiLU), built once per
+machine with the system's C++ compiler and loaded through ctypes.
 
 Built with `-march=native` into SPECDEC_KERNEL_CACHE (default ~/.cache/specdec/kernels), under a name that hashes
 the source, the flags, the compiler and the CPU's feature flags, so a container image shared by machines never
@@ -27,7 +27,7 @@ log = logging.getLogger("specdec.native")
 # fuse explicitly where the CPU can), so a row's arithmetic is the same wherever it is inlined.
 FLAGS = ("-std=c++17", "-O3", "-march=native", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")  # if constexpr
 X86_FLAGS = ("-mprefer-vector-width=512",)  # GCC's auto-vectorised loops (exp, softmax) otherwise stop at 256 bits
-# The headers the kernels share (bf16.h): on the include path, and hashed into every build's name.
+# The headers the kernels share (bf16.h, exp.h): on the include path, and hashed into every build's name.
 HEADERS = Path(__file__).parent
 
 
