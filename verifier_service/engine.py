@@ -36,6 +36,7 @@ from verifier_service.early_ask import EarlyAsk, EarlyAskStats
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
+from verifier_service.spec_policy import Plan, StepCost
 from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
@@ -80,6 +81,19 @@ class EngineStats(SpeculationRatios):
     emitted_tokens: int = 0  # sampled tokens: accepted + one recovered or bonus per sequence step
     stale_drafts: int = 0
     resyncs_refused: int = 0  # sequences turned to k = 0: their proposer asked for their history too often
+
+
+@dataclass(frozen=True)
+class UnfinishedStep:
+    """A decode step whose whole time is known only when the next one starts."""
+
+    batch: int
+    depth: int  # its deepest draft request (0: plain decoding)
+    verified: float
+    predicted: StepCost | None  # what its parts' medians say it costs (None: some never measured)
+    realised: StepCost  # as it ran, but for its rest
+    catch_up: bool  # its propose call carried more than one step's tokens
+    probe: bool  # the policy ran it to learn, not because it expected it to pay
 
 
 class StepObserver(Protocol):
@@ -156,9 +170,9 @@ class Engine:
         # Structured output (verifier_service/grammar_masks.py): None until a compiler is set.
         self._masks: GrammarMasks | None = None
         self._early: EarlyAsk | None = None  # the next step's drafts, asked for when this step committed
-        # The last decode step's (batch, depth, when it was verified): its rest, from then to the next step's start,
-        # is known when that step starts (spec_policy.py). None when it left nothing running (the loop may idle).
-        self._unfinished_step: tuple[int, int, float] | None = None
+        # The last decode step, whose rest (from its verification to the next step's start) and whole time are
+        # known when the next step starts (spec_policy.py). None when it left nothing running (the loop may idle).
+        self._unfinished_step: UnfinishedStep | None = None
         self.early_stats = EarlyAskStats()
 
     def enable_structured_output(self, tokenizer) -> None:
@@ -328,7 +342,7 @@ class Engine:
         ]
         emitted = verify(rows, self._masks.finish(masks) if self._masks else {}, self.runner.vocab_size)
         verified = time.perf_counter()
-        self._measure_costs(batch, drafts, start, proposed, verified, catch_up)
+        self._measure_costs(batch, drafts, (start, proposed, verified), catch_up, emitted)
         self.stats.steps += 1
         outputs, logprobs_due = self._commit_step(batch, rows, emitted, hidden)
         self._ask_early()
@@ -343,10 +357,12 @@ class Engine:
     def _record_rest(self, start: float) -> None:
         """The previous decode step's time beyond scoring and proposing, up to this step's start: what the policy
         cannot see from inside a step (commit, streaming by the serving loop, the proposer's work beside it)."""
-        if self._unfinished_step is not None:
-            batch, depth, verified = self._unfinished_step
-            self.scheduler.policy.record_rest(batch, depth, start - verified)
-            self._unfinished_step = None
+        step, self._unfinished_step = self._unfinished_step, None
+        if step is not None:
+            policy = self.scheduler.policy
+            policy.record_rest(step.batch, step.depth, start - step.verified)
+            realised = replace(step.realised, rest=start - step.verified)
+            policy.record_outcome(step.batch, step.depth, step.predicted, realised, step.catch_up, step.probe)
 
     def _score(
         self, batch: list[ScheduledSeq], drafts: dict[str, Draft]
@@ -422,22 +438,31 @@ class Engine:
         self,
         batch: list[ScheduledSeq],
         drafts: dict[str, Draft],
-        start: float,
-        proposed: float,
-        verified: float,
+        times: tuple[float, float, float],
         catch_up: bool,
+        verdicts: list[Verdict | str],
     ) -> None:
         """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs): the
-        propose call, scoring + verifying, and (at the next step's start) the rest."""
+        propose call, scoring + verifying, and (at the next step's start) the rest and the whole step, with the
+        tokens it emitted against what the policy expected of it."""
         if not all(s.samples and s.num_feed == 1 for s in batch):
             return
+        start, proposed, verified = times
         policy = self.scheduler.policy
         propose_s, score_s = proposed - start, verified - proposed
         policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
         asked = [s for s in batch if s.k > 0]
-        self._unfinished_step = (len(batch), max((s.k for s in asked), default=0), verified)
+        depth = max((s.k for s in asked), default=0)
         if asked and not catch_up:
-            policy.record_propose(len(batch), max(s.k for s in asked), any(s.tree_nodes for s in asked), propose_s)
+            policy.record_propose(len(batch), depth, any(s.tree_nodes for s in asked), propose_s)
+        # After recording: the medians then include this step's own parts (a size measured for the first time is
+        # what it took, not a guess), and a step costs more than they say by what they leave out: a slow moment,
+        # a catch-up.
+        predicted = policy.predict([(s.seq.acceptance, Plan(s.k, s.tree_nodes)) for s in batch])
+        emitted = sum(len(v.tokens) for v in verdicts if not isinstance(v, str))
+        realised = StepCost(emitted, score_s, propose_s, 0.0)
+        probe = policy.probed
+        self._unfinished_step = UnfinishedStep(len(batch), depth, verified, predicted, realised, catch_up, probe)
 
     def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:
         """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is

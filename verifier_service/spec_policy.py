@@ -20,7 +20,10 @@ verifier costs it (co-located, they share the cores); plain steps' is kept apart
 fitted over depth like a propose call. Through the gateway at 8 clients it was 3-9 ms a plain step and 7-10 ms a
 drafting one, against a 100-180 ms step: small, but where drafting is predicted to win by 1-2% it decides.
 Until a cost is measured it is taken as free (a drafting step's rest as a plain one's), so the policy drafts,
-measures, and corrects.
+measures, and corrects. Each part is a median, what a step usually costs; each kind of step (plain, a chosen
+drafting plan, a probe) is then expected as much slower than its parts say as its recent steps ran, start to
+start (`Outcomes`), so that the odd slow call and the catch-up a probe carries after plain steps count for what
+they cost.
 
 For each D (0 = plain decoding) and each number n of draft tokens in all, the chains k_s <= D with the most
 expected tokens take the n likeliest positions (a sequence's position j is reached and passed with probability
@@ -49,7 +52,7 @@ import statistics
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
 PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
@@ -72,6 +75,24 @@ MIN_POPULATION_POSITIONS = 20
 # the same run) made plain decoding look 1.6x dearer than it was, and the policy drafted at 0.89-0.93x target-only
 # from then on without ever timing a plain step again.
 FRESH_S = 5.0
+# A step's parts are each timed as their median of recent times: what a step usually costs, not what it costs on
+# average (the odd slow propose call, the catch-up a probe carries after plain steps). So each kind of step (plain,
+# drafting, probe) per batch size is expected as much slower as its last OUTCOME_WINDOW steps ran, start to start,
+# than their parts' medians said, believed as far as they outnumber OUTCOME_PRIOR
+# (PROBE_PRIOR for probes). Through the gateway at 8 clients
+# (bf16 target, Zen 4 host, 2026-12-05) probes at k = 1 were expected to take 30 ms and took 50 (a 19 ms catch-up
+# in the propose call), plain steps 21.0 ms and 22.0.
+OUTCOME_WINDOW = 64
+OUTCOME_PRIOR = 16
+# Probes are few by design (and then each is believed sooner): at 8 clients, T = 0.8, about one a request, and
+# the first ones of a fresh batch carry every prompt (8 x 40-60 tokens through the EAGLE head, 25-30 ms).
+PROBE_PRIOR = 2
+# While plain decoding is clearly best (the best drafting plan PLAIN_MARGIN slower or more) and no sequence's
+# estimate changed (none drafted), the plan is made again only every REPLAN_EVERY steps; between, each step counts
+# towards the next probe at the last plan's probe loss. At batch 8 a plan took 0.3-0.5 ms of Python against a 21 ms
+# step (bf16 target, Zen 4 host), most of what plain steps cost beyond a target-only verifier's.
+REPLAN_EVERY = 8
+PLAIN_MARGIN = 0.05
 
 log = logging.getLogger("specdec.policy")
 
@@ -104,7 +125,8 @@ class AcceptanceEstimate:
 
     def chain_gain(self, k: int) -> float:
         """Expected accepted drafts of a chain of k: a + a^2 + ... + a^k."""
-        return sum(self.alpha**j for j in range(1, k + 1))
+        alpha = self.alpha
+        return alpha * (1 - alpha**k) / (1 - alpha) if alpha != 1.0 else float(k)
 
     def expected_tree_gain(self, depth: int) -> float:
         """The tree's measured gain, or until it drafted one an optimistic guess (a quarter above the chain of the
@@ -145,6 +167,12 @@ class StepTimes:
         self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
         self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
         self._steps: dict[int, list[tuple[int, float]]] = {}  # batch -> isotonic (size, seconds), cached likewise
+        # batch -> (size, seconds) where that one size is all that is known (no other batch has a line): a smaller
+        # size is estimated as its share of it, the cheap side (a per-call cost would make it dearer), as a larger
+        # one is by the flat line. At batch 1 (bf16 target, T = 0.8) the first propose calls were at k = 4 (6.3 ms),
+        # and k = 1 looked as dear: the policy decoded plainly for a whole 128-token request at 62 tok/s where
+        # drafting 2-3 tokens ran at 72-73.
+        self._only: dict[int, tuple[int, float]] = {}
 
     def calibrate(self, batch: int, size: int, seconds: float) -> None:
         if seconds > 0:
@@ -157,6 +185,10 @@ class StepTimes:
         sizes = self.samples.setdefault(batch, {})
         sizes.setdefault(size, deque(maxlen=self.window)).append((self.clock(), seconds))
         self._forget(batch)
+
+    def measured(self, batch: int, size: int) -> bool:
+        """Measured live at this size (not only at warm-up, not a guess from other sizes)."""
+        return bool(self.samples.get(batch, {}).get(size))
 
     def stale(self, batch: int, size: int) -> bool:
         """Measured live at this size, but not within FRESH_S seconds."""
@@ -173,12 +205,16 @@ class StepTimes:
     def _forget(self, batch: int) -> None:
         self._lines.pop(batch, None)
         self._steps.pop(batch, None)
+        self._only.pop(batch, None)
 
     def estimate(self, batch: int, size: int) -> float | None:
         """The expected time, or None when nothing is known at this batch size."""
         line = self.line(batch)
         if line is None:
             return None
+        only = self._only.get(batch)
+        if only is not None and 0 < size < only[0]:  # one size measured: a smaller one as its share of it
+            return only[1] * size / only[0]
         if self.stepwise:
             if batch not in self._steps:
                 self._steps[batch] = _isotonic(self._points(batch))
@@ -218,6 +254,8 @@ class StepTimes:
             return _line(points)
         others = [b for b in {*self.samples, *self.calibrated} if b != batch and len(self._points(b)) >= 2]
         if not others:
+            if points:
+                self._only[batch] = points[0][:2]
             return (points[0][1], 0.0) if points else None
         nearest = min(others, key=lambda b: abs(b - batch))
         base, slope = _line(self._points(nearest))
@@ -266,6 +304,61 @@ def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
     return mean_y - slope * mean_x, slope
 
 
+PLAIN, DRAFTING, PROBE = "plain", "drafting", "probe"
+
+
+class Outcomes:
+    """Per batch size and kind of step, how long steps took against how long they were expected to take. Probes
+    are kept apart from chosen drafting plans: a probe follows a run of plain steps, and its propose call carries
+    their tokens (a catch-up) unless the proposer followed them."""
+
+    def __init__(self, window: int = OUTCOME_WINDOW) -> None:
+        self.window = window
+        self.steps: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (expected, realised seconds)
+        self._slowdowns: dict[tuple[int, str], float] = {}
+
+    def add(self, batch: int, kind: str, expected_s: float, realised_s: float) -> None:
+        if expected_s <= 0 or realised_s <= 0:
+            return  # nothing was expected yet
+        self.steps.setdefault((batch, kind), deque(maxlen=self.window)).append((expected_s, realised_s))
+        self._slowdowns.clear()  # a probe's leans on drafting steps'
+
+    def slowdown(self, batch: int, kind: str) -> float:
+        """Realised over expected seconds, a ratio of sums (a slow step counts for what it cost), drawn towards
+        1 while few steps were seen (a few may be a slow moment's; a probe's towards drafting steps')."""
+        key = (batch, kind)
+        if key not in self._slowdowns:
+            prior = self.slowdown(batch, DRAFTING) if kind == PROBE else 1.0
+            steps = self.steps.get(key, ())
+            if not steps:
+                return prior
+            ratio = sum(realised for _, realised in steps) / sum(expected for expected, _ in steps)
+            trust = len(steps) / (len(steps) + (PROBE_PRIOR if kind == PROBE else OUTCOME_PRIOR))
+            self._slowdowns[key] = min(4.0, max(0.5, prior + trust * (ratio - prior)))
+        return self._slowdowns[key]
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """A decode step's emitted tokens and its time in parts (seconds): expected, or as it ran."""
+
+    tokens: float
+    scoring: float  # the target's forward and verification
+    propose: float  # the propose call on the critical path
+    rest: float  # from verification to the next step's start
+
+    @property
+    def seconds(self) -> float:
+        return self.scoring + self.propose + self.rest
+
+
+@dataclass(frozen=True)
+class PlainMemo:
+    key: tuple  # per sequence: its estimate (which object, its values) and its largest k
+    probe_loss: float
+    steps_left: int
+
+
 @dataclass(frozen=True)
 class Plan:
     k: int  # chain length (a tree's depth)
@@ -282,12 +375,16 @@ class SpecPolicy:
     rest_plain: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> 0 -> seconds
     rest_drafting: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> depth
     _probes: int = 0
-    _times: dict[tuple[int, int, int, bool], float] = field(default_factory=dict)  # _time's, within one plan()
+    _times: dict[tuple[int, int, int, bool, str], float] = field(default_factory=dict)  # _time's, within one plan()
+    _parts_seen: dict[tuple[int, int, int, bool], StepCost] = field(default_factory=dict)  # _parts', likewise
     _plain_steps: int = 0  # steps at plain decoding since the last probe
     _plain_timed_at: dict[int, float] = field(default_factory=dict)  # batch -> when a plain step was run to time it
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
     population: dict[bool, AcceptanceEstimate] = field(default_factory=dict)
+    outcomes: Outcomes = field(default_factory=Outcomes)
+    _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
+    _last_probe_loss: float = 0.0
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
@@ -314,9 +411,18 @@ class SpecPolicy:
         drafter that got better, or an estimate that dipped by chance, is noticed soonest where it matters most:
         near the break-even. `vary` (every probe_interval steps): a drafting plan drafts one token more or less, in
         turn, so that each cost is measured at more than one size and has a slope."""
-        self._times.clear()  # the costs may have been measured since the last plan
         batch = len(seqs)
         plain = [Plan(0)] * batch
+        key = tuple((id(acc), acc.alpha, acc.tree_gain, k_max) for acc, k_max in seqs)
+        memo, self._plain_memo = self._plain_memo, None
+        due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
+        if memo is not None and memo.key == key and memo.steps_left > 0 and not due:
+            self._plain_steps += 1
+            self._plain_memo = replace(memo, steps_left=memo.steps_left - 1)
+            self.probed = False
+            return plain
+        self._times.clear()  # the costs may have been measured since the last plan
+        self._parts_seen.clear()
         plain_rate = self._rate(plain, seqs)
         drafting, drafting_rate = None, 0.0  # the best plan that slows no sequence below FAIR_SHARE
         unfair = [[Plan(1 if k_max else 0) for _, k_max in seqs]]  # plans that do: only ever run as probes
@@ -334,6 +440,9 @@ class SpecPolicy:
             drafting = min(unfair, key=lambda plans: self._probe_loss(plans, seqs, plain_rate))
             drafting_rate = self._rate(drafting, seqs)
         chosen = self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary)
+        clearly = drafting is not None and drafting_rate < plain_rate * (1 - PLAIN_MARGIN)
+        if chosen is plain and clearly and self.scoring.measured(batch, batch):  # not on a guessed plain time
+            self._plain_memo = PlainMemo(key, self._last_probe_loss, REPLAN_EVERY - 1)
         if log.isEnabledFor(logging.DEBUG):
             self._explain(seqs, chosen, plain_rate, drafting_rate)
         return chosen
@@ -351,10 +460,11 @@ class SpecPolicy:
             return plain
         if drafting_rate <= plain_rate * (1 + 1e-9) or self._slowest_share(drafting, seqs) < FAIR_SHARE:
             self._plain_steps += 1
-            if self._plain_steps * PROBE_BUDGET < self._probe_loss(drafting, seqs, plain_rate):
+            probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
+            self._last_probe_loss = self._probe_loss(probe, seqs, plain_rate)
+            if self._plain_steps * PROBE_BUDGET < self._last_probe_loss:
                 return plain
             self._plain_steps, self.probed = 0, True
-            probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
             return self._vary(probe, seqs) if vary else probe
         self._plain_steps = 0
         batch, now = len(seqs), self.scoring.clock()
@@ -366,30 +476,36 @@ class SpecPolicy:
         return self._vary(drafting, seqs) if vary else drafting
 
     def _probe_loss(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float) -> float:
-        """What running `plans` once costs, in plain steps: it loses (1 - its rate / plain's) of its own time,
-        T_probe / T_plain plain steps, or for its slowest sequence what that one loses, whichever is more."""
-        plain_time, probe_time = self._time([Plan(0)] * len(plans)), self._time(plans)
-        rate = self._rate(plans, seqs)
-        shortfall = max(1 - rate / plain_rate if plain_rate else 0.0, 1 - self._slowest_share(plans, seqs))
+        """What running `plans` once as a probe costs, in plain steps: it loses (1 - its rate / plain's) of its own
+        time, T_probe / T_plain plain steps, or for its slowest sequence what that one loses, whichever is more
+        (its time as probes took: a catch-up)."""
+        plain_time, probe_time = self._time([Plan(0)] * len(plans)), self._time(plans, PROBE)
+        rate = self._rate(plans, seqs, PROBE)
+        shortfall = max(1 - rate / plain_rate if plain_rate else 0.0, 1 - self._slowest_share(plans, seqs, PROBE))
         return shortfall * (probe_time / plain_time if plain_time else 1.0)
 
     def _gain(self, plan: Plan, acc: AcceptanceEstimate) -> float:
         return acc.expected_tree_gain(plan.k) if plan.tree_nodes else acc.chain_gain(plan.k)
 
-    def _shares(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[float]:
+    def _shares(
+        self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], kind: str | None = None
+    ) -> list[float]:
         """Per sequence, its expected rate under `plans` as a share of its rate decoding plainly (1 + gain over the
         step's time, against 1 over a plain step's); 1 while a time is unknown, and for a sequence that may not draft
         (its own max_draft_tokens of 0, no room left): it is not counted, or it would veto everyone's drafts."""
-        plain_time, time = self._time([Plan(0)] * len(plans)), self._time(plans)
+        batch = len(plans)
+        plain_time, time = self._time([Plan(0)] * batch), self._time(plans, kind)
         if plain_time <= 0 or time <= 0:
-            return [1.0] * len(plans)
+            return [1.0] * batch
         return [
             (1 + self._gain(p, acc)) * plain_time / time if k_max else 1.0
             for p, (acc, k_max) in zip(plans, seqs, strict=True)
         ]
 
-    def _slowest_share(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> float:
-        return min(self._shares(plans, seqs), default=1.0)
+    def _slowest_share(
+        self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], kind: str | None = None
+    ) -> float:
+        return min(self._shares(plans, seqs, kind), default=1.0)
 
     def _lift_slowed(
         self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], depth: int
@@ -412,11 +528,13 @@ class SpecPolicy:
         calls = self.propose_tree if any(p.tree_nodes for p in chosen) else self.propose_chain
         log.debug(
             "plan batch=%d alpha=%s chosen=%s probe=%s rate plain/drafting=%.1f/%.1f tok/s "
-            "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms",
+            "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms "
+            "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx",
             batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]], [(p.k, p.tree_nodes) for p in chosen[:8]],
             self.probed, plain_rate, drafting_rate, 1e3 * (self.scoring.estimate(batch, batch) or 0.0),
             1e3 * self.scoring.slope(batch), depth, _ms(calls.estimate(batch, depth)), depth,
             _ms(self._rest(batch, 0)), _ms(self._rest(batch, depth)),
+            *(self.outcomes.slowdown(batch, kind) for kind in (PLAIN, DRAFTING, PROBE)),
         )  # fmt: skip
 
     def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
@@ -462,11 +580,13 @@ class SpecPolicy:
             ks[i] += 1
             tokens += value
             deepest = max(deepest, ks[i])
-            seconds = self._step_time(batch, n, deepest, tree=False)
+            seconds = self._step_time(batch, n, deepest, False, DRAFTING)
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best_rate:
                 best, best_rate = list(ks), rate
-        return (None, 0.0) if best is None else ([Plan(k) for k in best], best_rate)
+        if best is None:
+            return None, 0.0
+        return [Plan(k) for k in best], best_rate
 
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
@@ -481,7 +601,7 @@ class SpecPolicy:
                 return Plan(k_max, nodes)
         return Plan(k)
 
-    def _rate(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> float:
+    def _rate(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], kind: str | None = None) -> float:
         """Expected tokens per second of a plan (0 when a time is unknown and the plan is plain decoding: any
         measured plan beats it)."""
         batch = len(plans)
@@ -489,27 +609,77 @@ class SpecPolicy:
             acc.expected_tree_gain(p.k) if p.tree_nodes else acc.chain_gain(p.k)
             for p, (acc, _) in zip(plans, seqs, strict=True)
         )
-        seconds = self._time(plans)
+        seconds = self._time(plans, kind)
         return tokens / seconds if seconds > 0 else float(tokens)
 
-    def _time(self, plans: list[Plan]) -> float:
+    def _time(self, plans: list[Plan], kind: str | None = None) -> float:
         """A plan's expected step time: scoring, the propose call and the rest of the step (0 where not measured
-        yet)."""
+        yet), as much slower as steps of its kind ran than so expected."""
         drafted = sum(p.tree_nodes or p.k for p in plans)
         depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
-        return self._step_time(len(plans), drafted, depth, tree)
+        return self._step_time(len(plans), drafted, depth, tree, kind or (DRAFTING if depth else PLAIN))
 
-    def _step_time(self, batch: int, drafted: int, depth: int, tree: bool) -> float:
-        """A step of `drafted` draft tokens in all, `depth` deep: scoring, the rest, and the propose call when it
-        drafts (0 where not measured); kept for the rest of the plan."""
-        key = (batch, drafted, depth, tree)
+    def _step_time(self, batch: int, drafted: int, depth: int, tree: bool, kind: str) -> float:
+        """A step of `drafted` draft tokens in all, `depth` deep; kept for the rest of the plan."""
+        key = (batch, drafted, depth, tree, kind)
         seconds = self._times.get(key)
         if seconds is None:
-            seconds = (self.scoring.estimate(batch, batch + drafted) or 0.0) + (self._rest(batch, depth) or 0.0)
-            if depth:
-                seconds += (self.propose_tree if tree else self.propose_chain).estimate(batch, depth) or 0.0
+            seconds = self._parts(batch, drafted, depth, tree).seconds * self.outcomes.slowdown(batch, kind)
             self._times[key] = seconds
         return seconds
+
+    def _parts(self, batch: int, drafted: int, depth: int, tree: bool) -> StepCost:
+        """Scoring, the propose call when it drafts and the rest, each as measured (0 where not measured yet);
+        kept for the rest of the plan."""
+        key = (batch, drafted, depth, tree)
+        parts = self._parts_seen.get(key)
+        if parts is None:
+            calls = self.propose_tree if tree else self.propose_chain
+            parts = self._parts_seen[key] = StepCost(
+                tokens=0.0,
+                scoring=self.scoring.estimate(batch, batch + drafted) or 0.0,
+                propose=(calls.estimate(batch, depth) or 0.0) if depth else 0.0,
+                rest=self._rest(batch, depth) or 0.0,
+            )
+        return parts
+
+    def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]]) -> StepCost | None:
+        """A step's expected tokens and times by its parts' measurements, per sequence its acceptance and the plan
+        it ran; None while scoring or the propose call was never measured at its batch size (nothing to compare
+        the step with)."""
+        plans = [plan for _, plan in steps]
+        batch, drafted = len(plans), sum(p.tree_nodes or p.k for p in plans)
+        depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
+        calls = self.propose_tree if tree else self.propose_chain
+        scoring = self.scoring.estimate(batch, batch + drafted)
+        propose = calls.estimate(batch, depth) if depth else 0.0
+        if scoring is None or propose is None:
+            return None
+        tokens = batch + sum(self._gain(plan, acc) for acc, plan in steps)
+        return StepCost(tokens, scoring, propose, self._rest(batch, depth) or 0.0)  # a rest unknown: free, as plans
+
+    def record_outcome(
+        self,
+        batch: int,
+        depth: int,
+        predicted: StepCost | None,
+        realised: StepCost,
+        catch_up: bool = False,
+        probe: bool = False,
+    ) -> None:
+        """A decode step's emitted tokens and times (its rest up to the next step's start) against what was
+        expected of it."""
+        if predicted is None:
+            return
+        kind = PROBE if probe else DRAFTING if depth else PLAIN
+        self.outcomes.add(batch, kind, predicted.seconds, realised.seconds)
+        log.debug(
+            "outcome batch=%d depth=%d tokens=%.2f/%.0f scoring=%.1f/%.1f propose=%.1f/%.1f rest=%.1f/%.1f "
+            "(predicted/realised)%s%s",
+            batch, depth, predicted.tokens, realised.tokens, 1e3 * predicted.scoring, 1e3 * realised.scoring,
+            1e3 * predicted.propose, 1e3 * realised.propose, 1e3 * predicted.rest, 1e3 * realised.rest,
+            " catch-up" if catch_up else "", " probe" if probe else "",
+        )  # fmt: skip
 
     def record_step(self, batch: int, query_tokens: int, seconds: float) -> None:
         """A decode step's scoring time (every sequence fed one token plus its drafts)."""
