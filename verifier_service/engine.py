@@ -450,7 +450,8 @@ class Engine:
         start, proposed, verified = times
         policy = self.scheduler.policy
         propose_s, score_s = proposed - start, verified - proposed
-        policy.record_step(len(batch), len(batch) + sum(len(d.token_ids) for d in drafts.values()), score_s)
+        scored = sum(len(d.token_ids) for d in drafts.values())  # draft tokens scored: fewer may come than asked
+        policy.record_step(len(batch), len(batch) + scored, score_s)
         asked = [s for s in batch if s.k > 0]
         depth = max((s.k for s in asked), default=0)
         if asked and not catch_up:
@@ -458,10 +459,10 @@ class Engine:
         # After recording: the medians then include this step's own parts (a size measured for the first time is
         # what it took, not a guess), and a step costs more than they say by what they leave out: a slow moment,
         # a catch-up.
-        predicted = policy.predict([(s.seq.acceptance, Plan(s.k, s.tree_nodes)) for s in batch])
+        predicted = policy.predict([(s.seq.acceptance, Plan(s.k, s.tree_nodes)) for s in batch], scored)
         emitted = sum(len(v.tokens) for v in verdicts if not isinstance(v, str))
         realised = StepCost(emitted, score_s, propose_s, 0.0)
-        probe = policy.probed
+        probe = policy.probed and depth > 0  # a probe whose drafts the scheduler cut (memory, budget) ran plainly
         self._unfinished_step = UnfinishedStep(len(batch), depth, verified, predicted, realised, catch_up, probe)
 
     def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:

@@ -437,7 +437,7 @@ class SpecPolicy:
                 drafting, drafting_rate = fair, rate
         self.probed = False
         if drafting is None and any(k_max for _, k_max in seqs):  # the probe that costs least: probed most often
-            drafting = min(unfair, key=lambda plans: self._probe_loss(plans, seqs, plain_rate))
+            drafting = min(unfair, key=lambda plans: self._probe_loss(self._lifted(plans, seqs), seqs, plain_rate))
             drafting_rate = self._rate(drafting, seqs)
         chosen = self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary)
         clearly = drafting is not None and drafting_rate < plain_rate * (1 - PLAIN_MARGIN)
@@ -460,7 +460,7 @@ class SpecPolicy:
             return plain
         if drafting_rate <= plain_rate * (1 + 1e-9) or self._slowest_share(drafting, seqs) < FAIR_SHARE:
             self._plain_steps += 1
-            probe = [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(drafting, seqs, strict=True)]
+            probe = self._lifted(drafting, seqs)
             self._last_probe_loss = self._probe_loss(probe, seqs, plain_rate)
             if self._plain_steps * PROBE_BUDGET < self._last_probe_loss:
                 return plain
@@ -474,6 +474,11 @@ class SpecPolicy:
             self._plain_timed_at[batch] = now
             return plain
         return self._vary(drafting, seqs) if vary else drafting
+
+    @staticmethod
+    def _lifted(plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
+        """A plan as a probe runs it: every sequence that may draft drafts at least one token."""
+        return [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(plans, seqs, strict=True)]
 
     def _probe_loss(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float) -> float:
         """What running `plans` once as a probe costs, in plain steps: it loses (1 - its rate / plain's) of its own
@@ -643,20 +648,23 @@ class SpecPolicy:
             )
         return parts
 
-    def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]]) -> StepCost | None:
+    def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]], scored: int | None = None) -> StepCost | None:
         """A step's expected tokens and times by its parts' measurements, per sequence its acceptance and the plan
-        it ran; None while scoring or the propose call was never measured at its batch size (nothing to compare
-        the step with)."""
+        it ran (`scored`: the draft tokens it scored, where fewer came than were asked for); None while scoring
+        was never measured at its batch size (nothing to compare the step with). A propose call or a rest never
+        measured counts as free, as in plans: a probe's calls that all carried a catch-up (left out of the propose
+        times) then show as its slowdown."""
         plans = [plan for _, plan in steps]
-        batch, drafted = len(plans), sum(p.tree_nodes or p.k for p in plans)
+        batch = len(plans)
+        drafted = sum(p.tree_nodes or p.k for p in plans) if scored is None else scored
         depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
         calls = self.propose_tree if tree else self.propose_chain
         scoring = self.scoring.estimate(batch, batch + drafted)
-        propose = calls.estimate(batch, depth) if depth else 0.0
-        if scoring is None or propose is None:
+        if scoring is None:
             return None
+        propose = (calls.estimate(batch, depth) or 0.0) if depth else 0.0
         tokens = batch + sum(self._gain(plan, acc) for acc, plan in steps)
-        return StepCost(tokens, scoring, propose, self._rest(batch, depth) or 0.0)  # a rest unknown: free, as plans
+        return StepCost(tokens, scoring, propose, self._rest(batch, depth) or 0.0)
 
     def record_outcome(
         self,

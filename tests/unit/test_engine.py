@@ -334,6 +334,32 @@ def test_a_steps_rest_is_timed_start_to_start_and_never_across_an_idle_wait(targ
     assert len(recorded) == before
 
 
+def test_each_decode_step_is_compared_whole_with_what_its_parts_said(target):
+    """At the next step's start the policy gets the step's expectation (its parts' medians, this step's own among
+    them) and what it took start to start, the serving loop's 30 ms between steps included (as its rest). Every
+    decode step is counted once, by its kind; a step that drafted nothing is never a probe."""
+    engine = engine_with(target, NgramDrafter(), k=2, adaptive_k=True)
+    policy = engine.scheduler.policy
+    seen = []
+    record = policy.record_outcome
+    policy.record_outcome = lambda *args: (seen.append(args), record(*args))
+    engine.add_request("a", prompts(1, seed=6)[0] * 2, SamplingParams(max_tokens=12, ignore_eos=True))
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        time.sleep(0.03)
+    assert len(seen) == steps - 2  # not the prefill, and the last step has no next start
+    for batch, depth, predicted, realised, _, probe in seen:
+        assert batch == 1 and realised.rest >= 0.03 and 1 <= realised.tokens <= depth + 1
+        assert predicted is not None and predicted.scoring > 0 and predicted.tokens >= 1
+        assert not (probe and depth == 0)
+    for drafting in (True, False):  # a kind's first step knew no rest of its kind yet; the next ones did
+        rests = [predicted.rest for _, depth, predicted, *_ in seen if (depth > 0) == drafting]
+        assert all(rest >= 0.03 for rest in rests[1:]), rests
+    assert sum(len(steps) for steps in policy.outcomes.steps.values()) == len(seen)
+
+
 def test_sequences_at_k_0_are_followed_k_tokens_at_a_time(target_hf, target):
     """A drafter told without waiting (`notify`, the remote proposer) follows a sequence that does not draft in
     messages of k committed tokens, not one per step (a message costs the proposer CPU beside the verifier), and
