@@ -274,6 +274,16 @@ class StepTimes:
         return [(size, median, n) for size, (median, n) in live.items()] + points
 
 
+def _shape(plans: list[Plan]) -> tuple[int, int, int, bool]:
+    """A step's batch size, draft tokens in all (a tree's nodes), deepest draft and whether any is a tree."""
+    return (
+        len(plans),
+        sum(p.tree_nodes or p.k for p in plans),
+        max((p.k for p in plans), default=0),
+        any(p.tree_nodes for p in plans),
+    )
+
+
 def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{1e3 * seconds:.1f}"
 
@@ -620,9 +630,8 @@ class SpecPolicy:
     def _time(self, plans: list[Plan], kind: str | None = None) -> float:
         """A plan's expected step time: scoring, the propose call and the rest of the step (0 where not measured
         yet), as much slower as steps of its kind ran than so expected."""
-        drafted = sum(p.tree_nodes or p.k for p in plans)
-        depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
-        return self._step_time(len(plans), drafted, depth, tree, kind or (DRAFTING if depth else PLAIN))
+        batch, drafted, depth, tree = _shape(plans)
+        return self._step_time(batch, drafted, depth, tree, kind or (DRAFTING if depth else PLAIN))
 
     def _step_time(self, batch: int, drafted: int, depth: int, tree: bool, kind: str) -> float:
         """A step of `drafted` draft tokens in all, `depth` deep; kept for the rest of the plan."""
@@ -634,37 +643,35 @@ class SpecPolicy:
         return seconds
 
     def _parts(self, batch: int, drafted: int, depth: int, tree: bool) -> StepCost:
-        """Scoring, the propose call when it drafts and the rest, each as measured (0 where not measured yet);
-        kept for the rest of the plan."""
+        """`_measured_parts`, kept for the rest of the plan."""
         key = (batch, drafted, depth, tree)
         parts = self._parts_seen.get(key)
         if parts is None:
-            calls = self.propose_tree if tree else self.propose_chain
-            parts = self._parts_seen[key] = StepCost(
-                tokens=0.0,
-                scoring=self.scoring.estimate(batch, batch + drafted) or 0.0,
-                propose=(calls.estimate(batch, depth) or 0.0) if depth else 0.0,
-                rest=self._rest(batch, depth) or 0.0,
-            )
+            parts = self._parts_seen[key] = self._measured_parts(batch, drafted, depth, tree)
         return parts
+
+    def _measured_parts(self, batch: int, drafted: int, depth: int, tree: bool) -> StepCost:
+        """Scoring, the propose call when it drafts and the rest, each as measured (0 where not measured yet)."""
+        calls = self.propose_tree if tree else self.propose_chain
+        return StepCost(
+            tokens=0.0,
+            scoring=self.scoring.estimate(batch, batch + drafted) or 0.0,
+            propose=(calls.estimate(batch, depth) or 0.0) if depth else 0.0,
+            rest=self._rest(batch, depth) or 0.0,
+        )
 
     def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]], scored: int | None = None) -> StepCost | None:
         """A step's expected tokens and times by its parts' measurements, per sequence its acceptance and the plan
         it ran (`scored`: the draft tokens it scored, where fewer came than were asked for); None while scoring
         was never measured at its batch size (nothing to compare the step with). A propose call or a rest never
         measured counts as free, as in plans: a probe's calls that all carried a catch-up (left out of the propose
-        times) then show as its slowdown."""
-        plans = [plan for _, plan in steps]
-        batch = len(plans)
-        drafted = sum(p.tree_nodes or p.k for p in plans) if scored is None else scored
-        depth, tree = max((p.k for p in plans), default=0), any(p.tree_nodes for p in plans)
-        calls = self.propose_tree if tree else self.propose_chain
-        scoring = self.scoring.estimate(batch, batch + drafted)
-        if scoring is None:
+        times) then show as its slowdown. Not from the plan's cache: the step's own parts were recorded since."""
+        batch, drafted, depth, tree = _shape([plan for _, plan in steps])
+        drafted = drafted if scored is None else scored
+        if self.scoring.estimate(batch, batch + drafted) is None:
             return None
-        propose = (calls.estimate(batch, depth) or 0.0) if depth else 0.0
         tokens = batch + sum(self._gain(plan, acc) for acc, plan in steps)
-        return StepCost(tokens, scoring, propose, self._rest(batch, depth) or 0.0)
+        return replace(self._measured_parts(batch, drafted, depth, tree), tokens=tokens)
 
     def record_outcome(
         self,
@@ -681,6 +688,8 @@ class SpecPolicy:
             return
         kind = PROBE if probe else DRAFTING if depth else PLAIN
         self.outcomes.add(batch, kind, predicted.seconds, realised.seconds)
+        if not log.isEnabledFor(logging.DEBUG):  # every decode step: no formatting unless asked for
+            return
         log.debug(
             "outcome batch=%d depth=%d tokens=%.2f/%.0f scoring=%.1f/%.1f propose=%.1f/%.1f rest=%.1f/%.1f "
             "(predicted/realised)%s%s",
