@@ -50,8 +50,14 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
         telemetry = setup_telemetry("specdec-proposer", metrics_port=free_port(), metrics_host="127.0.0.1")
         proposer = await start_ahead_proposer(telemetry=telemetry)
         drafter = proposer.servicer.drafter
+        # The draft here costs what the target costs, so drafting a round ahead races the verifier's own step; a
+        # slower target step (as a real target is to its draft) lets drafting ahead finish before the next ask.
         verifier = await start_verifier(
-            [f"127.0.0.1:{proposer.port}"], num_speculative_tokens=3, max_num_seqs=8, metrics_port=free_port()
+            [f"127.0.0.1:{proposer.port}"],
+            step_delay_s=0.02,
+            num_speculative_tokens=3,
+            max_num_seqs=8,
+            metrics_port=free_port(),
         )
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
