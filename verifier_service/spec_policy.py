@@ -106,6 +106,7 @@ class AcceptanceEstimate:
     weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
     tree_gain: float | None = None
     tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
+    trees: int = 0  # trees verified: the first ones count as a running mean (the guess is worth none)
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
@@ -120,8 +121,11 @@ class AcceptanceEstimate:
         return max(self.weight, 1.0 / (self.tested + 2))
 
     def update_tree(self, num_accepted: int) -> None:
-        gain = self.tree_gain if self.tree_gain is not None else float(num_accepted)
-        self.tree_gain = gain + self.weight * (num_accepted - gain)
+        # A running mean until the moving average's window fills: else the first tree, often the first step
+        # after the prompt, would be most of the estimate for the sequence's next twenty steps.
+        self.trees += 1
+        gain = self.tree_gain if self.tree_gain is not None else 0.0
+        self.tree_gain = gain + max(self.weight, 1.0 / self.trees) * (num_accepted - gain)
 
     def chain_gain(self, k: int) -> float:
         """Expected accepted drafts of a chain of k: a + a^2 + ... + a^k."""

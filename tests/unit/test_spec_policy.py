@@ -44,6 +44,18 @@ def test_tree_gain_is_optimistic_until_measured():
     assert est.tree_gain == pytest.approx(1.0)
 
 
+def test_tree_gain_is_a_running_mean_until_its_window_fills():
+    est = AcceptanceEstimate(weight=0.05)
+    for accepted in (4, 1, 1, 1):  # a lucky first tree is one sample of four, not most of the estimate
+        est.update_tree(accepted)
+    assert est.tree_gain == pytest.approx(7 / 4)
+    for _ in range(40):
+        est.update_tree(1)
+    settled = est.tree_gain
+    est.update_tree(5)  # then each new tree moves it by the moving average's weight
+    assert est.tree_gain == pytest.approx(settled + 0.05 * (5 - settled))
+
+
 def test_step_times_fit_a_line_through_medians_and_borrow_a_slope():
     times = StepTimes()
     assert times.estimate(1, 1) is None
