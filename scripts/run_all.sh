@@ -16,7 +16,7 @@
 #   SPECDEC_PROPOSER_KIND    eagle (default: the repository's trained head), draft-model, ngram or suffix
 #   SPECDEC_K                draft tokens per step (default 4)
 #   SPECDEC_DRAFT_AHEAD      outcomes the proposer drafts ahead per sequence (default 0: off; docs/services.md)
-#   SPECDEC_MAX_TREE_NODES   token trees of up to N nodes where the policy finds they pay (default 0: chains only)
+#   SPECDEC_MAX_TREE_NODES   token trees of up to N nodes where the policy finds they pay (default 8; 0: chains only)
 #   RUN_MAX_TOKENS           max tokens of the demo request (default 64)
 #   RUN_STARTUP_TIMEOUT      seconds to wait for all services to be healthy (default 600)
 #   RUN_GATEWAY_PORT / RUN_VERIFIER_PORT / RUN_PROPOSER_PORT   ports (default 50051 / 50052 / 50053)
@@ -49,7 +49,7 @@ HTTP_PORT="${RUN_HTTP_PORT:-8000}"
 PROPOSER_METRICS_PORT="${RUN_PROPOSER_METRICS_PORT:-9463}"
 VERIFIER_METRICS_PORT="${RUN_VERIFIER_METRICS_PORT:-9464}"
 DRAFT_AHEAD="${SPECDEC_DRAFT_AHEAD:-0}"
-MAX_TREE_NODES="${SPECDEC_MAX_TREE_NODES:-0}"
+MAX_TREE_NODES="${SPECDEC_MAX_TREE_NODES:-8}"
 HOST=127.0.0.1
 
 case "$KIND" in

@@ -108,9 +108,14 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("ts", f"target only (k=0), T={SAMPLED_T:g}", "general", "target", SAMPLED_T, "ts"),
     GwConfig("d4s", f"draft model, k=4, T={SAMPLED_T:g}", "general", "draft", SAMPLED_T, "ts"),
     GwConfig("g4s", f"EAGLE head, k=4, T={SAMPLED_T:g}", "general", "eagle", SAMPLED_T, "ts"),
-    GwConfig("ga", f"EAGLE head, adaptive k<={K_ADAPTIVE} (default)", "general", "eagle-adaptive"),
+    GwConfig("ga", f"EAGLE head, adaptive k<={K_ADAPTIVE}, chains", "general", "eagle-adaptive"),
     GwConfig(
-        "gas", f"EAGLE head, adaptive k<={K_ADAPTIVE}, T={SAMPLED_T:g}", "general", "eagle-adaptive", SAMPLED_T, "ts"
+        "gas",
+        f"EAGLE head, adaptive k<={K_ADAPTIVE}, chains, T={SAMPLED_T:g}",
+        "general",
+        "eagle-adaptive",
+        SAMPLED_T,
+        "ts",
     ),
     GwConfig("g4d", f"EAGLE head, k=4, drafting ahead {AHEAD}", "general", "eagle-ahead"),
     GwConfig(
@@ -126,7 +131,7 @@ CONFIGS: tuple[GwConfig, ...] = (
         "ts",
     ),
     GwConfig(
-        "gt", f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes", "general", "eagle-adaptive-tree"
+        "gt", f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes (default)", "general", "eagle-adaptive-tree"
     ),
     GwConfig(
         "gts",

@@ -71,7 +71,7 @@ def measure(stack: gb.Stack, prompts: list[list[int]], args: argparse.Namespace)
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec_bench.step_phases", description=__doc__.splitlines()[0])
-    parser.add_argument("--stacks", default="target,eagle-adaptive", help=f"from {', '.join(gb.STACK_KINDS)}")
+    parser.add_argument("--stacks", default="target,eagle-adaptive-tree", help=f"from {', '.join(gb.STACK_KINDS)}")
     parser.add_argument("--runs", type=int, default=4, help="groups per stack, alternating the order")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
