@@ -131,7 +131,10 @@ CONFIGS: tuple[GwConfig, ...] = (
         "ts",
     ),
     GwConfig(
-        "gt", f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes (default)", "general", "eagle-adaptive-tree"
+        "gt",
+        f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes (default)",
+        "general",
+        "eagle-adaptive-tree",
     ),
     GwConfig(
         "gts",
