@@ -624,10 +624,7 @@ class SpecPolicy:
         """Expected tokens per second of a plan (0 when a time is unknown and the plan is plain decoding: any
         measured plan beats it)."""
         batch = len(plans)
-        tokens = batch + sum(
-            acc.expected_tree_gain(p.k) if p.tree_nodes else acc.chain_gain(p.k)
-            for p, (acc, _) in zip(plans, seqs, strict=True)
-        )
+        tokens = batch + sum(self._gain(p, acc) for p, (acc, _) in zip(plans, seqs, strict=True))
         seconds = self._time(plans, kind)
         return tokens / seconds if seconds > 0 else float(tokens)
 
