@@ -280,12 +280,14 @@ class StepTimes:
 
 def _shape(plans: list[Plan]) -> tuple[int, int, int, bool]:
     """A step's batch size, draft tokens in all (a tree's nodes), deepest draft and whether any is a tree."""
-    return (
-        len(plans),
-        sum(p.tree_nodes or p.k for p in plans),
-        max((p.k for p in plans), default=0),
-        any(p.tree_nodes for p in plans),
-    )
+    drafted, depth, tree = 0, 0, False
+    for plan in plans:  # one loop, no calls: every plan weighed comes here
+        drafted += plan.tree_nodes or plan.k
+        if plan.k > depth:
+            depth = plan.k
+        if plan.tree_nodes:
+            tree = True
+    return len(plans), drafted, depth, tree
 
 
 def _ms(seconds: float | None) -> str:
@@ -391,6 +393,9 @@ class SpecPolicy:
     _probes: int = 0
     _times: dict[tuple[int, int, int, bool, str], float] = field(default_factory=dict)  # _time's, within one plan()
     _parts_seen: dict[tuple[int, int, int, bool], StepCost] = field(default_factory=dict)  # _parts', likewise
+    _chain_lists: dict[int, tuple[list[float], list[float], list[float]]] = field(default_factory=dict)  # likewise
+    _positions_at: dict[int, tuple[list[tuple[float, int]], float]] = field(default_factory=dict)  # of _positions_of
+    _positions_of: list | None = None
     _plain_steps: int = 0  # steps at plain decoding since the last probe
     _plain_timed_at: dict[int, float] = field(default_factory=dict)  # batch -> when a plain step was run to time it
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
@@ -437,6 +442,8 @@ class SpecPolicy:
             return plain
         self._times.clear()  # the costs may have been measured since the last plan
         self._parts_seen.clear()
+        self._chain_lists.clear()
+        self._positions_at.clear()
         plain_rate = self._rate(plain, seqs)
         drafting, drafting_rate = None, 0.0  # the best plan that slows no sequence below FAIR_SHARE
         unfair = [[Plan(1 if k_max else 0) for _, k_max in seqs]]  # plans that do: only ever run as probes
@@ -569,8 +576,8 @@ class SpecPolicy:
         Dinkelbach's (each draft token at the line's marginal price, a tree where it pays) if that is faster. For
         chains the filled plan is never slower: it has the most expected tokens for its number of draft tokens."""
         filled, filled_rate = self._filled(depth, seqs)
-        if not self.max_tree_nodes and filled is not None:
-            return filled, filled_rate
+        if filled is not None and not any(1 <= k_max <= depth and k_max < self.max_tree_nodes for _, k_max in seqs):
+            return filled, filled_rate  # no sequence may draft a tree this deep: Dinkelbach's chains do no better
         batch = len(seqs)
         per_token = self.scoring.slope(batch)
         rate = self._rate([Plan(0)] * batch, seqs)
@@ -589,23 +596,61 @@ class SpecPolicy:
         rate; None where no sequence may draft). Where the scoring time rises in steps, filling the rows a step
         costs anyway is what pays, and a marginal price per token (a line's slope) cannot see it."""
         batch = len(seqs)
-        values = sorted(
-            ((acc.alpha**j, i) for i, (acc, k_max) in enumerate(seqs) for j in range(1, min(depth, k_max) + 1)),
-            reverse=True,
-        )
+        values, remaining = self._positions(depth, seqs)
         ks, tokens, deepest = [0] * batch, float(batch), 0
         best, best_rate = None, 0.0
+        # `_step_time`'s parts, read by index: at 8 sequences and k <= 16 there are a thousand plans to weigh. Past
+        # the best, no later n can win once even all the remaining tokens at the time the step takes now (scoring
+        # only grows with n: StepTimes.estimate) would not beat it.
+        scoring, propose, rest = self._chain_parts(batch, depth)
+        slowdown = self.outcomes.slowdown(batch, DRAFTING)
+        least_extra = min(propose[d] + rest[d] for d in range(1, depth + 1)) if depth else 0.0
         for n, (value, i) in enumerate(values, start=1):
             ks[i] += 1
             tokens += value
-            deepest = max(deepest, ks[i])
-            seconds = self._step_time(batch, n, deepest, False, DRAFTING)
+            remaining -= value
+            if ks[i] > deepest:
+                deepest = ks[i]
+            if n == len(scoring):
+                scoring.append(self.scoring.estimate(batch, batch + n) or 0.0)
+            seconds = (scoring[n] + propose[deepest] + rest[deepest]) * slowdown
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best_rate:
                 best, best_rate = list(ks), rate
+            elif tokens + remaining < best_rate * (scoring[n] + least_extra) * slowdown * (1 - 1e-9):
+                break
         if best is None:
             return None, 0.0
         return [Plan(k) for k in best], best_rate
+
+    def _positions(
+        self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]
+    ) -> tuple[list[tuple[float, int]], float]:
+        """(alpha^j, sequence) for every sequence's positions j <= min(depth, k_max), likeliest first, and their sum;
+        kept for the rest of the plan, each depth's made from the one above it."""
+        if depth <= 0:
+            return [], 0.0
+        if self._positions_of is not seqs:
+            self._positions_at.clear()
+            self._positions_of = seqs
+        if depth not in self._positions_at:
+            above, total = self._positions(depth - 1, seqs)
+            new = [(acc.alpha**depth, i) for i, (acc, k_max) in enumerate(seqs) if k_max >= depth]
+            self._positions_at[depth] = (sorted(above + new, reverse=True), total + sum(v for v, _ in new))
+        return self._positions_at[depth]
+
+    def _chain_parts(self, batch: int, depth: int) -> tuple[list[float], list[float], list[float]]:
+        """A chain step's parts as `_measured_parts` gives them, as lists kept for the rest of the plan: scoring by
+        the draft tokens in all (from 0, extended by the caller as it goes), the propose call and the rest by the
+        deepest draft (0..depth)."""
+        if batch not in self._chain_lists:
+            plain = self.scoring.estimate(batch, batch) or 0.0
+            self._chain_lists[batch] = ([plain], [0.0], [self._rest(batch, 0) or 0.0])
+        scoring, propose, rest = self._chain_lists[batch]
+        while len(propose) <= depth:
+            propose.append(self.propose_chain.estimate(batch, len(propose)) or 0.0)
+            rest.append(self._rest(batch, len(rest)) or 0.0)
+        return scoring, propose, rest
 
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
