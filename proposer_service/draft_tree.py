@@ -74,8 +74,8 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
     trees = [_Tree() for _ in reqs]
     rows = list(range(len(reqs)))
     logits = drafter._root_logits(reqs, rows)  # [rows, width]
-    for row, scores in zip(rows, _log_probs(logits, [reqs[i] for i in rows]), strict=True):
-        _add_children(drafter, trees[row], -1, 0.0, scores)
+    for row, best in zip(rows, _best_tokens(drafter, _log_probs(logits, [reqs[i] for i in rows])), strict=True):
+        _add_children(drafter, trees[row], -1, 0.0, best)
     for depth in range(1, max(req.k for req in reqs)):
         expansions, expanded = [], []
         for row, (req, tree) in enumerate(zip(reqs, trees, strict=True)):
@@ -92,8 +92,9 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
         if not expansions:
             break
         logits = drafter._expand_logits(reqs, expansions)  # [expansions, width]
-        for (tree, i), scores in zip(expanded, _log_probs(logits, [reqs[e.row] for e in expansions]), strict=True):
-            _add_children(drafter, tree, i, tree.nodes[i].score, scores)
+        log_probs = _log_probs(logits, [reqs[e.row] for e in expansions])
+        for (tree, i), best in zip(expanded, _best_tokens(drafter, log_probs), strict=True):
+            _add_children(drafter, tree, i, tree.nodes[i].score, best)
     return [_kept(req, tree) for req, tree in zip(reqs, trees, strict=True)]
 
 
@@ -107,10 +108,18 @@ def _log_probs(logits: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor: 
     return logits_to_probs(logits, **tensors).log()
 
 
-def _add_children(drafter: PagedDrafter, tree: _Tree, parent: int, score: float, log_probs: torch.Tensor) -> None:
+def _best_tokens(drafter: PagedDrafter, log_probs: torch.Tensor) -> list[list[tuple[float, int]]]:
+    """Per row of log_probs [rows, width], its `tree_width` best (log-probability, column), best first: one topk."""
+    top = log_probs.topk(min(drafter.tree_width, log_probs.shape[-1]), dim=-1)
+    return [
+        list(zip(values, indices, strict=True))
+        for values, indices in zip(top.values.tolist(), top.indices.tolist(), strict=True)
+    ]
+
+
+def _add_children(drafter: PagedDrafter, tree: _Tree, parent: int, score: float, best: list[tuple[float, int]]) -> None:
     depth = tree.nodes[parent].depth + 1 if parent >= 0 else 1
-    top = log_probs.topk(min(drafter.tree_width, log_probs.shape[-1]))
-    for value, index in zip(top.values.tolist(), top.indices.tolist(), strict=True):
+    for value, index in best:
         if value > float("-inf"):  # a truncated distribution may hold fewer tokens than the width
             tree.nodes.append(_Node(drafter._token(index), parent, depth, score + value))
 

@@ -70,6 +70,7 @@ class PagedDrafter(Generic[State]):
         self.ahead_width = AHEAD_WIDTH
         self._ingest: list[DraftRequest] = []  # requests answered from the cache, their tokens not yet applied
         self._no_evict = False  # while drafting ahead: never evict a real sequence's cache for an alias
+        self._subset_ids: list[int] | None = None  # vocab_subset as a list, once read
 
     # ---- the round ------------------------------------------------------------------------------
 
@@ -304,7 +305,9 @@ class PagedDrafter(Generic[State]):
             yield int(top_ids[choice]), (top_ids, top_probs)
 
     def _token(self, index: int) -> int:
-        return index if self.vocab_subset is None else int(self.vocab_subset[index])
+        if self._subset_ids is None and self.vocab_subset is not None:
+            self._subset_ids = self.vocab_subset.tolist()  # indexing a tensor per drafted token costs microseconds
+        return index if self._subset_ids is None else self._subset_ids[index]
 
     # ---- what each drafter provides ---------------------------------------------------------------
 
