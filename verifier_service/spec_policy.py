@@ -577,16 +577,18 @@ class SpecPolicy:
         chains the filled plan is never slower: it has the most expected tokens for its number of draft tokens."""
         filled, filled_rate = self._filled(depth, seqs)
         if filled is not None and not any(1 <= k_max <= depth and k_max < self.max_tree_nodes for _, k_max in seqs):
-            return filled, filled_rate  # no sequence may draft a tree this deep: Dinkelbach's chains do no better
+            # No sequence may draft a tree this deep: the filled plan is the candidate, as with chains only (running
+            # Dinkelbach here instead dropped the depth whenever plain decoding beat its chains)
+            return filled, filled_rate
         batch = len(seqs)
         per_token = self.scoring.slope(batch)
         rate = self._rate([Plan(0)] * batch, seqs)
         plans = [Plan(0)] * batch
         for _ in range(ITERATIONS):
-            plans = [self._best_for(acc, min(depth, k_max), k_max, rate * per_token) for acc, k_max in seqs]
-            if not any(p.k for p in plans):
-                break
-            rate = self._rate(plans, seqs)
+            candidate = [self._best_for(acc, min(depth, k_max), k_max, rate * per_token) for acc, k_max in seqs]
+            if not any(p.k for p in candidate):
+                break  # keeps the last plan that drafted, with its own rate
+            plans, rate = candidate, self._rate(candidate, seqs)
         return (filled, filled_rate) if filled is not None and filled_rate > rate else (plans, rate)
 
     def _filled(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> tuple[list[Plan] | None, float]:
@@ -594,7 +596,8 @@ class SpecPolicy:
         positions among every sequence's first `depth` (position j of a sequence is reached with probability
         alpha^j, so each sequence's are taken in order); the n whose step is fastest per token wins (with its
         rate; None where no sequence may draft). Where the scoring time rises in steps, filling the rows a step
-        costs anyway is what pays, and a marginal price per token (a line's slope) cannot see it."""
+        costs anyway is what pays, and a marginal price per token (a line's slope) cannot see it. Its lists of
+        positions and parts are kept from `plan`'s start to the next one's: called outside `plan`, clear them first."""
         batch = len(seqs)
         values, remaining = self._positions(depth, seqs)
         ks, tokens, deepest = [0] * batch, float(batch), 0

@@ -336,21 +336,23 @@ def test_prefix_cache_gap_is_filled_and_output_kept(tmp_path, target_hf, target)
     assert drafter.blocks.num_cached_blocks > 0
 
 
-def test_a_served_prefix_is_filled_for_a_whole_batch_at_once(tmp_path, target):
+@pytest.mark.parametrize(("gaps", "fills"), [((12, 12, 12, 12), 12), ((3, 12, 20, 30), 1 + 16)], ids=["even", "mixed"])
+def test_a_served_prefix_is_filled_for_a_whole_batch_at_once(tmp_path, target, gaps, fills):
     """Sequences whose first positions came from the verifier's prefix cache (no features for them) fill that gap
-    from the head's guesses one position of every sequence per forward, not one sequence after another; each
-    sequence drafts what it would alone."""
+    from the head's guesses one position of every sequence per forward, not one sequence after another (a gap
+    longer than MAX_SEQUENTIAL_FILL: its start in one bulk forward for all); each sequence drafts what it would
+    alone."""
     folder = str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB), scale=3.0))
     rng = random.Random(4)
-    gap, length = 12, 20
+    length = 40
     seqs = [[rng.randrange(1, EOS) for _ in range(length)] for _ in range(4)]
     features = [
         torch.randn(length - 1 - gap, target[1].hidden_size, generator=torch.Generator().manual_seed(i))
-        for i in range(4)
+        for i, gap in enumerate(gaps)
     ]
 
     def request(i: int) -> DraftRequest:
-        return DraftRequest(f"s{i}", length, seqs[i], 3, SamplingParams(), features[i], gap, 0, "", 0)
+        return DraftRequest(f"s{i}", length, seqs[i], 3, SamplingParams(), features[i], gaps[i], 0, "", 0)
 
     alone = []
     for i in range(4):
@@ -368,7 +370,7 @@ def test_a_served_prefix_is_filled_for_a_whole_batch_at_once(tmp_path, target):
     drafter._forward = counted
     together = [draft.token_ids for draft in drafter.propose([request(i) for i in range(4)])]
     assert together == alone and all(alone)
-    assert forwards == gap + 1 + 2  # the gap's positions, the real features, two more draft positions
+    assert forwards == fills + 1 + 2  # the gaps' forwards, the real features, two more draft positions
 
 
 def test_preemption_keeps_output(tmp_path, target_hf, target):

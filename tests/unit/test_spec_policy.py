@@ -514,6 +514,26 @@ def test_the_filled_plan_is_the_best_of_every_n_though_it_stops_early():
             assert policy._rate(plans, seqs) == pytest.approx(rate, rel=1e-9)
 
 
+def test_dinkelbach_keeps_its_last_plan_that_drafted(monkeypatch):
+    """Where a later iteration's higher price leaves no token worth drafting, the plan is the last one that drafted,
+    with its own rate: not plain decoding carrying that plan's rate (which dropped a tree plan from the depth)."""
+    policy = informed_policy(COSTS["cpu-eagle"], batch=2)
+    policy.max_tree_nodes = 8
+    seqs = [(AcceptanceEstimate(alpha=0.6, tested=100), 4), (AcceptanceEstimate(alpha=0.6, tested=100), 4)]
+    calls = 0
+
+    def best_for(acc, depth, k_max, price):
+        nonlocal calls
+        calls += 1
+        return Plan(4, 8) if calls <= len(seqs) else Plan(0)
+
+    monkeypatch.setattr(policy, "_filled", lambda depth, seqs: (None, 0.0))
+    monkeypatch.setattr(policy, "_best_for", best_for)
+    plans, rate = policy._plan_at(4, seqs)
+    assert plans == [Plan(4, 8)] * 2
+    assert rate == pytest.approx(policy._rate(plans, seqs))
+
+
 class BlockedScoring(Costs):
     """Scoring whose products run in blocks of 16 rows, as bf16 ones did on this project's CPUs (batch 8: 8 to 16
     rows 35-39 ms, 18 to 32 rows 59-67 ms, 34 to 48 rows 83-88 ms): each block costs as much as the first."""
