@@ -206,10 +206,10 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         hidden = self.head.arch.hidden_size
         bulk = []
         for seq_id, tokens, end in gaps:
-            state = self.states[seq_id]
-            if state.num_done < end - MAX_SEQUENTIAL_FILL:
-                zeros = self.head.fc_bias.new_zeros(end - MAX_SEQUENTIAL_FILL - state.num_done, hidden)
-                bulk.append((seq_id, state.num_done, zeros, tokens[state.num_done + 1 : end - MAX_SEQUENTIAL_FILL + 1]))
+            state, bulk_end = self.states[seq_id], end - MAX_SEQUENTIAL_FILL
+            if state.num_done < bulk_end:
+                zeros = self.head.fc_bias.new_zeros(bulk_end - state.num_done, hidden)
+                bulk.append((seq_id, state.num_done, zeros, tokens[state.num_done + 1 : bulk_end + 1]))
         for (seq_id, start, _, ids), out in zip(bulk, self._forward(bulk) if bulk else [], strict=True):
             state = self.states[seq_id]
             state.num_done, state.last_hidden = start + len(ids), out[-1]

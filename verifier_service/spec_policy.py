@@ -615,7 +615,7 @@ class SpecPolicy:
             if ks[i] > deepest:
                 deepest = ks[i]
             if n == len(scoring):
-                scoring.append(self.scoring.estimate(batch, batch + n) or 0.0)
+                scoring.append(self._scoring_part(batch, n))
             seconds = (scoring[n] + propose[deepest] + rest[deepest]) * slowdown
             rate = tokens / seconds if seconds > 0 else tokens
             if rate > best_rate:
@@ -647,11 +647,10 @@ class SpecPolicy:
         the draft tokens in all (from 0, extended by the caller as it goes), the propose call and the rest by the
         deepest draft (0..depth)."""
         if batch not in self._chain_lists:
-            plain = self.scoring.estimate(batch, batch) or 0.0
-            self._chain_lists[batch] = ([plain], [0.0], [self._rest(batch, 0) or 0.0])
+            self._chain_lists[batch] = ([self._scoring_part(batch, 0)], [], [])
         scoring, propose, rest = self._chain_lists[batch]
         while len(propose) <= depth:
-            propose.append(self.propose_chain.estimate(batch, len(propose)) or 0.0)
+            propose.append(self._propose_part(batch, len(propose), False))
             rest.append(self._rest(batch, len(rest)) or 0.0)
         return scoring, propose, rest
 
@@ -701,13 +700,19 @@ class SpecPolicy:
 
     def _measured_parts(self, batch: int, drafted: int, depth: int, tree: bool) -> StepCost:
         """Scoring, the propose call when it drafts and the rest, each as measured (0 where not measured yet)."""
-        calls = self.propose_tree if tree else self.propose_chain
         return StepCost(
             tokens=0.0,
-            scoring=self.scoring.estimate(batch, batch + drafted) or 0.0,
-            propose=(calls.estimate(batch, depth) or 0.0) if depth else 0.0,
+            scoring=self._scoring_part(batch, drafted),
+            propose=self._propose_part(batch, depth, tree),
             rest=self._rest(batch, depth) or 0.0,
         )
+
+    def _scoring_part(self, batch: int, drafted: int) -> float:
+        return self.scoring.estimate(batch, batch + drafted) or 0.0
+
+    def _propose_part(self, batch: int, depth: int, tree: bool) -> float:
+        calls = self.propose_tree if tree else self.propose_chain
+        return (calls.estimate(batch, depth) or 0.0) if depth else 0.0
 
     def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]], scored: int | None = None) -> StepCost | None:
         """A step's expected tokens and times by its parts' measurements, per sequence its acceptance and the plan
