@@ -329,7 +329,7 @@ class Engine:
             observer.step_started(batch)
         start = time.perf_counter()
         self._record_rest(start)
-        drafts, catch_up = self._propose(batch)
+        drafts, catch_up = self._propose(batch)  # positions caught up beyond a step's (0: none)
         proposed = time.perf_counter()
         if observer is not None:
             observer.propose_finished(proposed)
@@ -439,7 +439,7 @@ class Engine:
         batch: list[ScheduledSeq],
         drafts: dict[str, Draft],
         times: tuple[float, float, float],
-        catch_up: bool,
+        catch_up: int,
         verdicts: list[Verdict | str],
     ) -> None:
         """The policy's times, from decode steps only (a prefill chunk is not what a draft token costs): the
@@ -454,18 +454,23 @@ class Engine:
         policy.record_step(len(batch), len(batch) + scored, score_s)
         asked = [s for s in batch if s.k > 0]
         depth = max((s.k for s in asked), default=0)
+        tree = any(s.tree_nodes for s in asked)
         if asked and not catch_up:
-            policy.record_propose(len(batch), depth, any(s.tree_nodes for s in asked), propose_s)
+            policy.record_propose(len(batch), depth, tree, propose_s)
+        elif asked:
+            policy.record_catch_up(len(batch), depth, tree, propose_s, catch_up)
         # After recording: the medians then include this step's own parts (a size measured for the first time is
         # what it took, not a guess), and a step costs more than they say by what they leave out: a slow moment,
         # a catch-up.
         predicted = policy.predict([(s.seq.acceptance, Plan(s.k, s.tree_nodes)) for s in batch], scored)
+        if predicted is not None and asked and catch_up:  # as the plan expected it: the catch-up apart
+            predicted = replace(predicted, propose=predicted.propose + policy.catch_up_seconds(catch_up))
         emitted = sum(len(v.tokens) for v in verdicts if not isinstance(v, str))
         realised = StepCost(emitted, score_s, propose_s, 0.0)
         probe = policy.probed and depth > 0  # a probe whose drafts the scheduler cut (memory, budget) ran plainly
-        self._unfinished_step = UnfinishedStep(len(batch), depth, verified, predicted, realised, catch_up, probe)
+        self._unfinished_step = UnfinishedStep(len(batch), depth, verified, predicted, realised, catch_up > 0, probe)
 
-    def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], bool]:
+    def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], int]:
         """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is
         also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
         catching up on all of it in the first draft round. A drafter that can be told without waiting
@@ -474,9 +479,9 @@ class Engine:
         commit), unless it says not to (`follows_plain`: a proposer sharing this verifier's CPU cores, where that
         work slows every plain step; a draft request then carries the catch-up). Returns (drafts, whether the
         call carried a catch-up: a prompt, or more than one step's tokens: its time is not what a drafting round
-        costs)."""
+        costs; the positions of the requests that carried one, 0 where none did)."""
         if self.drafter is None:
-            return {}, False
+            return {}, 0
         early, self._early = self._early, None
         # Followed sequences are sent k tokens at a time: every message costs the proposer CPU (co-located at 8
         # clients it took ~20% of a core at plain steps, beside a verifier that wants both), and a probe then
@@ -505,7 +510,7 @@ class Engine:
         elif drafting:
             answered = list(zip(drafting, self.drafter.propose([r for _, r in drafting]), strict=True))
         if not answered:
-            return {}, False
+            return {}, 0
         drafts = {}
         for (s, _), draft in answered:
             if draft.needs_resync:
@@ -520,9 +525,10 @@ class Engine:
         step_tokens = self.config.num_speculative_tokens + 1  # the most one step commits
         # The prompt's features go with the first decode step's request (the prefill computed them): a catch-up
         # too, though it carries one new token.
-        catch_up = any(
-            not s.samples or len(r.new_token_ids) > step_tokens or _rows(r.features) > step_tokens
+        catch_up = sum(
+            max(len(r.new_token_ids), _rows(r.features))
             for (s, r), _ in answered
+            if not s.samples or len(r.new_token_ids) > step_tokens or _rows(r.features) > step_tokens
         )
         return drafts, catch_up
 

@@ -141,7 +141,13 @@ class Scheduler:
             plans = [Plan(k, nodes if 1 <= k < nodes else 0) for k in k_maxes]
         else:
             vary = step % self.config.probe_interval == 0
-            plans = self.policy.plan([(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)], vary)
+            step_tokens = self.config.num_speculative_tokens + 1  # what one step commits: no catch-up
+            lags = [len(s.tokens) - s.num_sent_to_proposer for s in decoding]
+            plans = self.policy.plan(
+                [(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)],
+                vary,
+                [lag if lag > step_tokens else 0 for lag in lags],
+            )
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 
     def _schedule_running(self, seq: Sequence, budget: int, plan: Plan) -> ScheduledSeq | None:

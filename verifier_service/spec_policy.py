@@ -14,16 +14,18 @@ warm-up, then from every decode step; a curve through the measured sizes, not a 
 of rows, and the time can rise in steps), the propose call per batch size and draft depth, a per-call cost (round
 trip, catch-up) plus a per-position cost, fitted apart for chains and trees (a drafting-ahead proposer's cache
 hits cost what they took: about a round trip). Calls that carried a long catch-up (a prompt, a resend) are left
-out: they are not what the next call costs. The rest of a step is the time from its start to the next step's
-minus those two: commit, the early ask, the serving loop's streaming, and whatever the proposer's work beside the
-verifier costs it (co-located, they share the cores); plain steps' is kept apart from drafting steps', which are
-fitted over depth like a propose call. Through the gateway at 8 clients it was 3-9 ms a plain step and 7-10 ms a
-drafting one, against a 100-180 ms step: small, but where drafting is predicted to win by 1-2% it decides.
-Until a cost is measured it is taken as free (a drafting step's rest as a plain one's), so the policy drafts,
-measures, and corrects. Each part is a median, what a step usually costs; each kind of step (plain, a chosen
-drafting plan, a probe) is then expected as much slower than its parts say as its recent steps ran, start to
-start (`Outcomes`), so that the odd slow call and the catch-up a probe carries after plain steps count for what
-they cost.
+out: they are not what the next call costs; their time per caught-up position is kept apart, and a plan pays it
+for every drafting sequence whose proposer lags (co-located, the proposer does not follow plain steps). The rest
+of a step is the time from its start to the next step's minus those two: commit, the early ask, the serving
+loop's streaming, and whatever the proposer's work beside the verifier costs it (co-located, they share the
+cores); plain steps' is kept apart from drafting steps', which are fitted over depth like a propose call.
+Through the gateway at 8 clients it was 3-9 ms a plain step and 7-10 ms a drafting one, against a 100-180 ms
+step: small, but where drafting is predicted to win by 1-2% it decides.
+Until a cost is measured it is taken as free (a drafting step's rest as a plain one's; a kind of propose call,
+chain or tree, measured at no batch size as the other kind's), so the policy drafts, measures, and corrects.
+Each part is a median, what a step usually costs; each kind of step (plain, a chosen drafting plan, a probe) is then
+expected as much slower than its parts say as its recent steps ran, start to start (`Outcomes`), so that the odd
+slow call and the catch-up a probe carries after plain steps count for what they cost.
 
 For each D (0 = plain decoding) and each number n of draft tokens in all, the chains k_s <= D with the most
 expected tokens take the n likeliest positions (a sequence's position j is reached and passed with probability
@@ -93,6 +95,12 @@ PROBE_PRIOR = 2
 # step (bf16 target, Zen 4 host), most of what plain steps cost beyond a target-only verifier's.
 REPLAN_EVERY = 8
 PLAIN_MARGIN = 0.05
+# A propose call that carries a catch-up (positions the proposer has not seen: a prompt, the tokens of plain steps it
+# did not follow) costs its call plus a time per caught-up position, the median over about the last this many such
+# calls. A plan is expected to pay it for every sequence that drafts and lags (`plan`'s `lags`). Co-located at 8
+# clients (fp32 target, Zen 4 host) a probe's call carried a prompt's 250-260 positions (13 ms) where the plan had
+# expected the 1-2 ms of a call without one, and probes ran about three times as often as their budget allows.
+CATCH_UP_WINDOW = 16
 
 log = logging.getLogger("specdec.policy")
 
@@ -107,6 +115,7 @@ class AcceptanceEstimate:
     tree_gain: float | None = None
     tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
     trees: int = 0  # trees verified: the first ones count as a running mean (the guess is worth none)
+    probed_at: int = -1  # the policy's probe count when a probe last drafted for this sequence (-1: never)
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
@@ -390,7 +399,8 @@ class SpecPolicy:
     # The rest of a step: plain ones (depth 0) apart from drafting ones, a line over depth like a propose call's
     rest_plain: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> 0 -> seconds
     rest_drafting: StepTimes = field(default_factory=lambda: StepTimes(scales_with_batch=False))  # batch -> depth
-    _probes: int = 0
+    _probes: int = 0  # varied plans
+    _probes_run: int = 0  # probes run while plain decoding is best
     _times: dict[tuple[int, int, int, bool, str], float] = field(default_factory=dict)  # _time's, within one plan()
     _parts_seen: dict[tuple[int, int, int, bool], StepCost] = field(default_factory=dict)  # _parts', likewise
     _chain_lists: dict[int, tuple[list[float], list[float], list[float]]] = field(default_factory=dict)  # likewise
@@ -404,6 +414,10 @@ class SpecPolicy:
     outcomes: Outcomes = field(default_factory=Outcomes)
     _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
     _last_probe_loss: float = 0.0
+    # Seconds per caught-up position of recent calls that carried a catch-up (beyond their call's own time)
+    catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=CATCH_UP_WINDOW))
+    _per_position: float = 0.0  # their median (0 until one was measured)
+    _lags: list[int] | None = None  # this plan's: per sequence, the positions its next call would catch up
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
@@ -418,20 +432,25 @@ class SpecPolicy:
         estimate = self.population.setdefault(greedy, AcceptanceEstimate(weight=POPULATION_WEIGHT))
         estimate.update(num_drafted, num_accepted)
 
-    def plan(self, seqs: list[tuple[AcceptanceEstimate, int]], vary: bool = False) -> list[Plan]:
-        """Per sequence (its acceptance, its largest allowed k): the batch's best plan.
+    def plan(
+        self, seqs: list[tuple[AcceptanceEstimate, int]], vary: bool = False, lags: list[int] | None = None
+    ) -> list[Plan]:
+        """Per sequence (its acceptance, its largest allowed k): the batch's best plan. `lags`: per sequence, the
+        positions its propose call would have to catch up (0 where it would carry no more than a step's tokens).
 
         A drafting plan is a candidate only if it slows no sequence that may draft below FAIR_SHARE of its plain
         rate; a sequence it would slow is first given a chain as deep as the plan allows. While plain decoding is
         best, a drafting plan is still run now and then (every sequence that may draft drafts at least one token):
         the best one, or where none is fair the one whose run costs least (one token a sequence, or a plan that
-        slows someone); how often follows from how much it is expected to lose (the batch's throughput or its
-        slowest sequence's rate, whichever loses more), so that probes cost at most PROBE_BUDGET of the time, and a
-        drafter that got better, or an estimate that dipped by chance, is noticed soonest where it matters most:
-        near the break-even. `vary` (every probe_interval steps): a drafting plan drafts one token more or less, in
-        turn, so that each cost is measured at more than one size and has a slope."""
+        slows someone), or that plan for one sequence alone where that loses less (`_cheapest_probe`); how often
+        follows from how much it is expected to lose (the batch's throughput or its slowest sequence's rate,
+        whichever loses more), so that probes cost at most PROBE_BUDGET of the time, and a drafter that got better,
+        or an estimate that dipped by chance, is noticed soonest where it matters most: near the break-even. `vary`
+        (every probe_interval steps): a drafting plan drafts one token more or less, in turn, so that each cost is
+        measured at more than one size and has a slope."""
         batch = len(seqs)
         plain = [Plan(0)] * batch
+        self._lags = lags if lags and any(lags) else None
         key = tuple((id(acc), acc.alpha, acc.tree_gain, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
@@ -481,11 +500,14 @@ class SpecPolicy:
             return plain
         if drafting_rate <= plain_rate * (1 + 1e-9) or self._slowest_share(drafting, seqs) < FAIR_SHARE:
             self._plain_steps += 1
-            probe = self._lifted(drafting, seqs)
-            self._last_probe_loss = self._probe_loss(probe, seqs, plain_rate)
+            probe, self._last_probe_loss = self._cheapest_probe(self._lifted(drafting, seqs), seqs, plain_rate)
             if self._plain_steps * PROBE_BUDGET < self._last_probe_loss:
                 return plain
             self._plain_steps, self.probed = 0, True
+            for p, (acc, _) in zip(probe, seqs, strict=True):
+                if p.k:
+                    acc.probed_at = self._probes_run
+            self._probes_run += 1
             return self._vary(probe, seqs) if vary else probe
         self._plain_steps = 0
         batch, now = len(seqs), self.scoring.clock()
@@ -500,6 +522,24 @@ class SpecPolicy:
     def _lifted(plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
         """A plan as a probe runs it: every sequence that may draft drafts at least one token."""
         return [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(plans, seqs, strict=True)]
+
+    def _cheapest_probe(
+        self, probe: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float
+    ) -> tuple[list[Plan], float]:
+        """The probe, or its plan for the one sequence probed longest ago alone (the others decoding plainly),
+        whichever is expected to lose less, with its loss. Where drafting is far from paying, a batch's probe for
+        every sequence scores a token more for each and carries each one's catch-up: at 8 clients (fp32 target,
+        Zen 4 host) such probes took 106 ms against a 31 ms plain step, 85 ms of it the head's prefill of 8
+        prompts. One sequence at a time, in turn, each probe costs a fraction of that, so the budget runs more of
+        them, and they keep the batch learning as the population's estimate does."""
+        loss = self._probe_loss(probe, seqs, plain_rate)
+        drafting = [i for i, p in enumerate(probe) if p.k]
+        if len(drafting) < 2:
+            return probe, loss
+        pick = min(drafting, key=lambda i: seqs[i][0].probed_at)
+        alone = [p if i == pick else Plan(0) for i, p in enumerate(probe)]
+        alone_loss = self._probe_loss(alone, seqs, plain_rate)
+        return (alone, alone_loss) if alone_loss < loss else (probe, loss)
 
     def _probe_loss(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float) -> float:
         """What running `plans` once as a probe costs, in plain steps: it loses (1 - its rate / plain's) of its own
@@ -576,6 +616,8 @@ class SpecPolicy:
         Dinkelbach's (each draft token at the line's marginal price, a tree where it pays) if that is faster. For
         chains the filled plan is never slower: it has the most expected tokens for its number of draft tokens."""
         filled, filled_rate = self._filled(depth, seqs)
+        if filled is not None and self._lags is not None and self._per_position:
+            filled_rate = self._rate(filled, seqs)  # with the catch-ups its drafting sequences carry
         if filled is not None and not any(1 <= k_max <= depth and k_max < self.max_tree_nodes for _, k_max in seqs):
             # No sequence may draft a tree this deep: the filled plan is the candidate, as with chains only (running
             # Dinkelbach here instead dropped the depth whenever plain decoding beat its chains)
@@ -679,7 +721,19 @@ class SpecPolicy:
         """A plan's expected step time: scoring, the propose call and the rest of the step (0 where not measured
         yet), as much slower as steps of its kind ran than so expected."""
         batch, drafted, depth, tree = _shape(plans)
-        return self._step_time(batch, drafted, depth, tree, kind or (DRAFTING if depth else PLAIN))
+        seconds = self._step_time(batch, drafted, depth, tree, kind or (DRAFTING if depth else PLAIN))
+        return seconds + self._catch_up_of(plans) if depth else seconds
+
+    def _catch_up_of(self, plans: list[Plan]) -> float:
+        """What the plan's propose call is expected to take beyond its call: every drafting sequence's lag."""
+        lags = self._lags
+        if lags is None or not self._per_position:
+            return 0.0
+        return self._per_position * sum(lag for p, lag in zip(plans, lags, strict=True) if p.k)
+
+    def catch_up_seconds(self, positions: int) -> float:
+        """A catch-up of `positions` as recent ones took (0 before any was measured: a cheap guess, corrected)."""
+        return self._per_position * max(0, positions)
 
     def _step_time(self, batch: int, drafted: int, depth: int, tree: bool, kind: str) -> float:
         """A step of `drafted` draft tokens in all, `depth` deep; kept for the rest of the plan."""
@@ -711,8 +765,17 @@ class SpecPolicy:
         return self.scoring.estimate(batch, batch + drafted) or 0.0
 
     def _propose_part(self, batch: int, depth: int, tree: bool) -> float:
-        calls = self.propose_tree if tree else self.propose_chain
-        return (calls.estimate(batch, depth) or 0.0) if depth else 0.0
+        if not depth:
+            return 0.0
+        calls, other = (self.propose_tree, self.propose_chain) if tree else (self.propose_chain, self.propose_tree)
+        estimate = calls.estimate(batch, depth)
+        if estimate is None:
+            # A kind of call measured at no batch size: the other kind's is the nearest guess, not a free call. At 8
+            # clients, co-located, every call at batch 8 carried a catch-up (left out) and the stack's calls at one
+            # client were trees: a free chain call made one sequence's chain look like it paid (304 against 285
+            # tok/s expected), and it lost each time it ran.
+            estimate = other.estimate(batch, depth)
+        return estimate or 0.0
 
     def predict(self, steps: list[tuple[AcceptanceEstimate, Plan]], scored: int | None = None) -> StepCost | None:
         """A step's expected tokens and times by its parts' measurements, per sequence its acceptance and the plan
@@ -769,6 +832,13 @@ class SpecPolicy:
     def record_rest(self, batch: int, depth: int, seconds: float) -> None:
         """A decode step's time beyond scoring and the propose call, up to the next step's start."""
         (self.rest_drafting if depth else self.rest_plain).add(batch, depth, seconds)
+
+    def record_catch_up(self, batch: int, depth: int, tree: bool, seconds: float, positions: int) -> None:
+        """A propose call that carried a catch-up of `positions`: its time beyond what such a call costs without
+        one, per position (not a sample of the call's own cost: the next call may carry none)."""
+        if positions > 0:
+            self.catch_up.append(max(0.0, seconds - self._propose_part(batch, depth, tree)) / positions)
+            self._per_position = statistics.median(self.catch_up)
 
     def record_propose(self, batch: int, depth: int, tree: bool, seconds: float) -> None:
         """A propose call's time on the critical path, `depth` its deepest draft request."""

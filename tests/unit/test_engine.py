@@ -304,7 +304,10 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
 
     engine = engine_with(target, EarlyFeatureDrafter(), k=2)
     recorded: list[int] = []
-    engine.scheduler.policy.record_propose = lambda batch, depth, tree, seconds: recorded.append(depth)
+    caught: list[int] = []  # a catch-up call's positions: its time per position is learned apart
+    policy = engine.scheduler.policy
+    policy.record_propose = lambda batch, depth, tree, seconds: recorded.append(depth)
+    policy.record_catch_up = lambda batch, depth, tree, seconds, positions: caught.append(positions)
     prompt = prompts(1, seed=3)[0] * 3  # longer than a step commits
     engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
     while engine.has_unfinished():
@@ -312,6 +315,28 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
     rows = EarlyFeatureDrafter.rows
     assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # asked early after the prefill, with the prompt
     assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
+    assert caught == [len(prompt) + 1]  # the prompt and the token its prefill sampled
+
+
+def test_the_plan_is_told_what_each_sequence_s_call_would_catch_up(target):
+    """Adaptive k: the policy gets, per sequence, the positions its proposer has not seen beyond what one step
+    commits: a new request's whole prompt, nothing once it drafts every step."""
+    engine = engine_with(target, NgramDrafter(), k=2, adaptive_k=True)
+    policy = engine.scheduler.policy
+    plan, lags_seen = policy.plan, []
+
+    def recording(seqs, vary=False, lags=None):
+        lags_seen.append(list(lags))
+        return plan(seqs, vary, lags)
+
+    policy.plan = recording
+    prompt = prompts(1, seed=3)[0] * 3
+    engine.add_request("r", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    lags_seen = [lags for lags in lags_seen if lags]  # plans of the one sequence
+    assert lags_seen[0][0] >= len(prompt), lags_seen
+    assert [0] in lags_seen[1:], lags_seen  # once its tokens went with a draft request every step
 
 
 def test_a_steps_rest_is_timed_start_to_start_and_never_across_an_idle_wait(target):
