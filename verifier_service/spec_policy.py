@@ -98,8 +98,8 @@ PLAIN_MARGIN = 0.05
 # A propose call that carries a catch-up (positions the proposer has not seen: a prompt, the tokens of plain steps it
 # did not follow) costs its call plus a time per caught-up position, the median over about the last this many such
 # calls. A plan is expected to pay it for every sequence that drafts and lags (`plan`'s `lags`). Co-located at 8
-# clients (fp32 target, Zen 4 host) a probe's call carried a prompt's 250-260 positions (13 ms) where the plan had
-# expected the 1-2 ms of a call without one, and probes ran about three times as often as their budget allows.
+# clients (fp32 target, Zen 4 host) every call at batch 8 carried one (a prompt's 250-260 positions took 7-13 ms),
+# none was counted, and the plan expected no propose time at all: probes ran on a cost they did not have.
 CATCH_UP_WINDOW = 16
 
 log = logging.getLogger("specdec.policy")
@@ -529,9 +529,9 @@ class SpecPolicy:
         """The probe, or its plan for the one sequence probed longest ago alone (the others decoding plainly),
         whichever is expected to lose less, with its loss. Where drafting is far from paying, a batch's probe for
         every sequence scores a token more for each and carries each one's catch-up: at 8 clients (fp32 target,
-        Zen 4 host) such probes took 106 ms against a 31 ms plain step, 85 ms of it the head's prefill of 8
-        prompts. One sequence at a time, in turn, each probe costs a fraction of that, so the budget runs more of
-        them, and they keep the batch learning as the population's estimate does."""
+        Zen 4 host) such probes took 106 ms against a 31 ms plain step (64 ms of scoring, 39 ms of a propose call
+        that carried every prompt). One sequence at a time, in turn, each probe costs a fraction of that, so the
+        budget runs more of them, and they keep the batch learning as the population's estimate does."""
         loss = self._probe_loss(probe, seqs, plain_rate)
         drafting = [i for i, p in enumerate(probe) if p.k]
         if len(drafting) < 2:
