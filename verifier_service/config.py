@@ -23,6 +23,12 @@ class EngineConfig:
     # Token trees: at most this many draft nodes per sequence (depth <= num_speculative_tokens); 0: chains only.
     max_tree_nodes: int = 0
 
+    @property
+    def step_tokens(self) -> int:
+        """The most tokens one step commits per sequence (k drafts and the target's own): a proposer sent more than
+        this at once is catching up."""
+        return self.num_speculative_tokens + 1
+
 
 ENGINE_DEFAULTS = EngineConfig()
 

@@ -477,9 +477,9 @@ class Engine:
         (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
         k tokens at a time, so that a later probe carries no stale catch-up (no more than a drafting step may
         commit), unless it says not to (`follows_plain`: a proposer sharing this verifier's CPU cores, where that
-        work slows every plain step; a draft request then carries the catch-up). Returns (drafts, whether the
-        call carried a catch-up: a prompt, or more than one step's tokens: its time is not what a drafting round
-        costs; the positions of the requests that carried one, 0 where none did)."""
+        work slows every plain step; a draft request then carries the catch-up). Returns (drafts, the positions
+        of the requests that carried a catch-up: a prompt, or more than one step's tokens; 0 where none did, and
+        otherwise the call's time is not what a drafting round costs)."""
         if self.drafter is None:
             return {}, 0
         early, self._early = self._early, None
@@ -522,7 +522,7 @@ class Engine:
                 continue
             if draft.token_ids:
                 drafts[draft.seq_id] = trim(draft, s.draft_slots)
-        step_tokens = self.config.num_speculative_tokens + 1  # the most one step commits
+        step_tokens = self.config.step_tokens
         # The prompt's features go with the first decode step's request (the prefill computed them): a catch-up
         # too, though it carries one new token.
         catch_up = sum(

@@ -141,12 +141,11 @@ class Scheduler:
             plans = [Plan(k, nodes if 1 <= k < nodes else 0) for k in k_maxes]
         else:
             vary = step % self.config.probe_interval == 0
-            step_tokens = self.config.num_speculative_tokens + 1  # what one step commits: no catch-up
-            lags = [len(s.tokens) - s.num_sent_to_proposer for s in decoding]
+            lags = [len(s.tokens) - s.num_sent_to_proposer for s in decoding]  # what each call would catch up
             plans = self.policy.plan(
                 [(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)],
                 vary,
-                [lag if lag > step_tokens else 0 for lag in lags],
+                [lag if lag > self.config.step_tokens else 0 for lag in lags],
             )
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 

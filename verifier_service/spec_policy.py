@@ -729,11 +729,11 @@ class SpecPolicy:
         lags = self._lags
         if lags is None or not self._per_position:
             return 0.0
-        return self._per_position * sum(lag for p, lag in zip(plans, lags, strict=True) if p.k)
+        return self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
 
     def catch_up_seconds(self, positions: int) -> float:
         """A catch-up of `positions` as recent ones took (0 before any was measured: a cheap guess, corrected)."""
-        return self._per_position * max(0, positions)
+        return self._per_position * positions
 
     def _step_time(self, batch: int, drafted: int, depth: int, tree: bool, kind: str) -> float:
         """A step of `drafted` draft tokens in all, `depth` deep; kept for the rest of the plan."""
