@@ -631,6 +631,29 @@ def test_shutdown_drains_then_aborts_and_refuses_new_requests():
     run(body())
 
 
+def test_the_engine_steps_on_while_the_event_loop_is_busy_streaming():
+    """Steps follow one another on the step thread: one waits neither for the event loop to hand it over nor for
+    a sleeping thread to wake (about 1 ms a step, measured), and the event loop streams the last step's tokens
+    beside the next. Blocking the event loop therefore stops the streaming, not the engine."""
+
+    async def body():
+        verifier = await start_verifier(step_delay_s=0.005)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+            stub = verifier_pb2_grpc.VerifierStub(channel)
+            running = stub.Generate(request(PROMPTS[0], 200), timeout=30)
+            await running.read()
+            before = verifier.loop.engine.stats.steps
+            time.sleep(0.3)  # the event loop is busy: nothing is handed to the step thread meanwhile
+            stepped = verifier.loop.engine.stats.steps - before
+            assert stepped >= 10, f"{stepped} steps while the event loop was busy for 0.3 s"
+            msgs = await rest(running)
+            tokens = sum(len(m.token_ids) for m in msgs)
+            assert msgs[-1].finish_reason == G.FINISH_REASON_LENGTH and tokens == 199  # every token arrived
+        await verifier.shutdown(0.5)
+
+    run(body())
+
+
 def test_a_dead_engine_loop_fails_its_requests_unavailable_and_stops_serving():
     """A bug outside engine.step (here: in dispatching a step's outputs) must not leave streams hanging behind
     a SERVING health status."""
