@@ -118,6 +118,9 @@ class StatsSnapshot(SpeculationRatios):
         return self.prefix_cache_hit_tokens / self.prefix_cache_query_tokens if self.prefix_cache_query_tokens else 0.0
 
 
+_TICK = object()  # a keep-alive interval passed (EngineLoop.generate)
+
+
 @dataclass
 class _Tracked:
     queue: asyncio.Queue
@@ -231,9 +234,13 @@ class EngineLoop:
         output_offset: int = 0,
         num_logprobs: int | None = None,
         tenant: str = "",
-    ) -> AsyncGenerator[Update, None]:
+        keepalive_s: float | None = None,
+    ) -> AsyncGenerator[Update | None, None]:
         """Add the request (raising InvalidRequestError / QueueFullError / UnavailableError before the first
-        update) and yield its updates until it finishes. Stop iterating (or close) to cancel it."""
+        update) and yield its updates until it finishes. Stop iterating (or close) to cancel it. With
+        `keepalive_s`, also None after each such interval without an update during which the engine stepped (the
+        request waits behind others); a stuck engine steps no more and yields none, so an idle limit still
+        catches it."""
         if self.dead is not None:
             raise UnavailableError("this verifier's engine loop stopped; retry on another verifier")
         if not self._accepting or self._stopping:
@@ -252,9 +259,23 @@ class EngineLoop:
             self._idle.clear()
         self._wake.set()
         done = False
+        loop = asyncio.get_running_loop()
+        steps = self.engine.stats.steps
         try:
             while True:
-                item = await tracked.queue.get()
+                # A timer that queues a tick, not a task and a wait per update: every running stream reads
+                # an update per step, on the event loop, while the next step waits for the GIL.
+                timer = loop.call_later(keepalive_s, tracked.queue.put_nowait, _TICK) if keepalive_s else None
+                try:
+                    item = await tracked.queue.get()
+                finally:
+                    if timer is not None:
+                        timer.cancel()
+                if item is _TICK:
+                    if self.engine.stats.steps != steps:
+                        steps = self.engine.stats.steps
+                        yield None
+                    continue
                 if isinstance(item, BaseException):
                     done = True
                     raise item

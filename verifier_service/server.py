@@ -156,10 +156,17 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             )
             num_logprobs = num_logprobs_of(request)
             updates = self.loop.generate(
-                request_id, prompt, params, max_draft, request.output_offset, num_logprobs, request.tenant
+                request_id,
+                prompt,
+                params,
+                max_draft,
+                request.output_offset,
+                num_logprobs,
+                request.tenant,
+                keepalive_s=self.keepalive_interval_s,
             )
             async with contextlib.aclosing(updates):
-                async for update in self._with_keepalives(updates):
+                async for update in updates:
                     if update is None:
                         yield verifier_pb2.VerifierGenerateResponse()  # still queued; the engine is alive
                         continue
@@ -199,34 +206,6 @@ class VerifierServicer(verifier_pb2_grpc.VerifierServicer):
             await context.abort(code, message)
         finally:  # cancelled by the client (or ended above): no-op when already ended
             self.telemetry.request_cancelled(traced)
-
-    async def _with_keepalives(self, updates: AsyncIterator[Update]) -> AsyncIterator[Update | None]:
-        """The request's updates, and None after each keepalive_interval_s without one during which the engine
-        stepped (the request waits behind others). A stuck engine steps no more and gets no keep-alive, so a
-        gateway's idle limit still catches it."""
-        steps = self.loop.stats().steps
-        pending = asyncio.ensure_future(anext(updates))
-        try:
-            while True:
-                done, _ = await asyncio.wait({pending}, timeout=self.keepalive_interval_s)
-                if not done:
-                    now = self.loop.stats().steps
-                    if now != steps:
-                        steps = now
-                        yield None
-                    continue
-                try:
-                    update = pending.result()
-                except StopAsyncIteration:
-                    return
-                yield update
-                pending = asyncio.ensure_future(anext(updates))
-        finally:
-            if not pending.done():
-                # The generator must be left before it is closed (aclosing): cancel the read, wait for it.
-                pending.cancel()
-                with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration):
-                    await pending
 
     async def GetStats(
         self, request: verifier_pb2.VerifierGetStatsRequest, context: grpc.aio.ServicerContext
