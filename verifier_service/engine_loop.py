@@ -11,11 +11,12 @@ aborts its request, which frees its KV blocks before the next step runs. No grpc
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import os
 import threading
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -153,6 +154,7 @@ class EngineLoop:
         # steps after the current one and hands the engine back.
         self._interrupt = threading.Event()
         self._dispatch_error: BaseException | None = None
+        self._claims = 0  # coroutines waiting for the engine between steps (_engine_held): a run keeps _interrupt
         self._accepting = True
         self._stopping = False
         self._task: asyncio.Task | None = None
@@ -184,8 +186,23 @@ class EngineLoop:
                 self.on_dead(err)
 
     def _request_engine(self) -> None:
-        """Ask the step thread to hand the engine back after its current step (then take self._lock)."""
+        """Ask the step thread to end its run of steps after the current step."""
         self._interrupt.set()
+
+    @contextlib.asynccontextmanager
+    async def _engine_held(self) -> AsyncIterator[None]:
+        """The engine between steps, to change it: the run of steps ends after its current step and none starts
+        while this waits (counted in _claims, so _run does not clear the interrupt meant for it)."""
+        self._claims += 1
+        self._request_engine()
+        try:
+            await self._lock.acquire()
+        finally:
+            self._claims -= 1
+        try:
+            yield
+        finally:
+            self._lock.release()
 
     def stop_accepting(self) -> None:
         """New requests get UnavailableError from now on; running ones continue."""
@@ -202,8 +219,7 @@ class EngineLoop:
     async def hand_over_all(self, message: str) -> int:
         """End every request now with UnavailableError(message): their output so far stays valid and the
         caller (the gateway) resumes them elsewhere. An ABORT finish instead would read as the answer's end."""
-        self._request_engine()
-        async with self._lock:
+        async with self._engine_held():
             ids = list(self._requests)
             self._fail_all(UnavailableError(message))
         return len(ids)
@@ -247,8 +263,7 @@ class EngineLoop:
             raise UnavailableError("the verifier is shutting down; retry on another verifier")
         tracked = _Tracked(asyncio.Queue(), RequestUsage(prompt_tokens=len(prompt_ids)))
         grammar = await self._build_grammar(params, prompt_ids, output_offset)
-        self._request_engine()
-        async with self._lock:
+        async with self._engine_held():
             if not self._accepting or self._stopping:  # shutdown began while this waited for the lock
                 raise UnavailableError("the verifier is shutting down; retry on another verifier")
             # raises on bad input or a full queue
@@ -322,18 +337,25 @@ class EngineLoop:
                     self._apply_aborts()
                     if not self.engine.has_unfinished():
                         break
-                    self._interrupt.clear()
+                    if not self._claims:  # else the run is one step long: those waiting take the lock after it
+                        self._interrupt.clear()
                     loop = asyncio.get_running_loop()
+                    step_error: Exception | None = None
                     try:
                         await loop.run_in_executor(self._step_thread, self._steps, loop)
                     except Exception as err:
-                        log.exception("engine step failed; failing the %d running requests", len(self._requests))
-                        self._fail_all(err)
-                        continue
-                    finally:
-                        broken, self._dispatch_error = self._dispatch_error, None
+                        step_error = err
+                    broken, self._dispatch_error = self._dispatch_error, None
                     if broken is not None:
                         raise broken  # a bug outside engine.step: the loop dies (_supervised)
+                    if step_error is not None:
+                        log.error(
+                            "engine step failed; failing the %d running requests",
+                            len(self._requests),
+                            exc_info=step_error,
+                        )
+                        self._fail_all(step_error)
+                        continue
                 await asyncio.sleep(0)  # let handlers and new requests in between runs of steps
 
         async with self._lock:
