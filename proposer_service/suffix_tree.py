@@ -291,6 +291,9 @@ class SuffixTree:
         probs: list[float] = []
         depths: list[int] = []
         order = itertools.count()  # ties: first pushed first, so the result is deterministic
+        # A path's probability is its count over the pattern's, not a product along the path: at min_prob the
+        # product (0.6 * 1/6 = 0.0999...) could drop a continuation seen exactly min_prob of the time.
+        base = node.count
         heap = [(-1.0, next(order), node, offset, -1)]
         while heap and len(tokens) < max_nodes:
             neg_prob, _, node, offset, parent = heapq.heappop(heap)
@@ -305,7 +308,7 @@ class SuffixTree:
                 heapq.heappush(heap, (neg_prob, next(order), node, offset + 1, len(tokens) - 1))
                 continue
             for child in sorted(node.children.values(), key=_count, reverse=True):
-                prob = -neg_prob * child.count / node.count
+                prob = child.count / base
                 if prob >= min_prob:
                     heapq.heappush(heap, (-prob, next(order), child, 0, parent))
         return Continuation(tokens, parents, probs)

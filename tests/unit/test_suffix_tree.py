@@ -218,3 +218,15 @@ def test_memory_estimate_is_close_to_what_python_allocates():
     finally:
         tracemalloc.stop()
     assert 0.7 < tree.memory_bytes() / allocated < 1.3, (tree.memory_bytes(), allocated)
+
+
+def test_a_continuation_seen_exactly_min_prob_of_the_time_is_in_the_tree():
+    """Hypothesis found it: after [0], (0, 0, 0, 1) follows 1 time in 10. As a product along its path
+    (0.6 * 1/6) that was 0.0999..., under min_prob = 0.1, and the tree left it out with room to spare."""
+    tree, ref = build(5, [[0], [0, 0, 0, 0, 0, 0, 0, 0, 0, 1]])
+    result = tree.best_tree(*located(tree, [0]), 20, 0.1, None)
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(result.token_ids, result.parents, strict=True):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    assert ref.count([0, 0, 0, 0, 1]) / ref.count([0]) == 0.1
+    assert (0, 0, 0, 1) in paths and len(paths) < 20
