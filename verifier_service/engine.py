@@ -522,14 +522,10 @@ class Engine:
                 continue
             if draft.token_ids:
                 drafts[draft.seq_id] = trim(draft, s.draft_slots)
-        step_tokens = self.config.step_tokens
         # The prompt's features go with the first decode step's request (the prefill computed them): a catch-up
         # too, though it carries one new token.
-        catch_up = sum(
-            max(len(r.new_token_ids), _rows(r.features))
-            for (s, r), _ in answered
-            if not s.samples or len(r.new_token_ids) > step_tokens or _rows(r.features) > step_tokens
-        )
+        sent = [(s, max(len(r.new_token_ids), _rows(r.features))) for (s, r), _ in answered]
+        catch_up = sum(n for s, n in sent if not s.samples or n > self.config.step_tokens)
         return drafts, catch_up
 
     def _ask_early(self) -> None:
