@@ -334,6 +334,7 @@ STACK_KINDS = {
     "eagle-ahead": "eagle",
     "eagle-adaptive-ahead": "eagle",
     "eagle-adaptive-tree": "eagle",
+    "eagle-tree": "eagle",  # k = 4 and a tree every step: what the adaptive policy is measured against
     "ngram": "ngram",
     "suffix-adaptive": "suffix",  # suffix_bench's stack: adaptive k <= K_SUFFIX
 }

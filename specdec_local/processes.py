@@ -46,9 +46,16 @@ ENTRY_POINTS = {  # console script -> module with main()
     "specdec-verifier": "verifier_service.server",
     "specdec-gateway": "gateway.server",
 }
-# SPECDEC_* variables that say where models and caches are; every other SPECDEC_* variable is a service
+# SPECDEC_* variables that say where models and caches are, and the log level (DEBUG: the speculation policy's
+# reasons, step by step, in the service logs a failing test prints); every other SPECDEC_* variable is a service
 # flag and is dropped so that it cannot change what the stack starts.
-PASS_THROUGH = {"SPECDEC_CACHE_DIR", "SPECDEC_MODEL_DIR", "SPECDEC_TARGET_MODEL", "SPECDEC_DRAFT_MODEL"}
+PASS_THROUGH = {
+    "SPECDEC_CACHE_DIR",
+    "SPECDEC_MODEL_DIR",
+    "SPECDEC_TARGET_MODEL",
+    "SPECDEC_DRAFT_MODEL",
+    "SPECDEC_LOG_LEVEL",
+}
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
