@@ -37,7 +37,6 @@ from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
 from verifier_service.spec_policy import Plan, StepCost
-from verifier_service.tree_verify import first_chain_verdict
 from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.
@@ -616,7 +615,7 @@ class Engine:
         num_accepted = len(tokens) - 1
         # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
         seq.num_computed += s.num_feed + num_accepted
-        self._update_stats(seq, draft, tokens, s.k)
+        self._update_stats(seq, draft, num_accepted, len(tokens))
         new_tokens = []
         for token in tokens:
             seq.tokens.append(token)
@@ -637,22 +636,16 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int) -> None:
-        """`tokens`: the accepted drafts and the target's own token; `depth`: as deep as the step asked."""
-        num_accepted = len(tokens) - 1
+    def _update_stats(self, seq: Sequence, draft: Draft | None, num_accepted: int, num_emitted: int) -> None:
         self.stats.sequence_steps += 1
-        self.stats.emitted_tokens += len(tokens)
+        self.stats.emitted_tokens += num_emitted
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
-            policy, greedy = self.scheduler.policy, seq.params.is_greedy
-            if draft.is_tree:  # the proposer may have stopped shallower than asked: the plan's depth is judged
-                # Greedy, the chain of first children was tested as a chain would have been; sampled, a chain's
-                # drafts carry their probabilities and pass more often than a tree's one-hot guesses
-                chain = first_chain_verdict(draft, tokens[:num_accepted]) if greedy else (0, 0)
-                policy.record_tree(greedy, seq.acceptance, depth, num_accepted, chain)
+            if draft.is_tree:
+                seq.acceptance.update_tree(num_accepted)
             else:
                 seq.acceptance.update(k, num_accepted)
-                policy.record_acceptance(greedy, k, num_accepted)
+                self.scheduler.policy.record_acceptance(seq.params.is_greedy, k, num_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

@@ -3,8 +3,7 @@
 A step's throughput is its emitted tokens over its time, and the policy maximises it for the whole batch:
 
     tokens = sum_s (1 + gain_s)            gain_s: expected accepted drafts of sequence s (a chain of k at
-                                            per-position acceptance a: a + a^2 + ... + a^k; a tree: measured,
-                                            drawn towards what the population's trees gained)
+                                            per-position acceptance a: a + a^2 + ... + a^k; a tree: measured)
     time   = scoring(B, B + sum_s n_s)      the target's step, n_s draft tokens (a tree's nodes) scored for s
            + propose(B, D) if D > 0         the proposer call as the verifier waits for it, D = max_s k_s
            + rest(B, D)                     the rest of the step (commit, early ask, streaming, the
@@ -71,16 +70,6 @@ FAIR_SHARE = 0.97
 # policy's simulation (tests/unit/test_spec_policy.py) lost 2.1% to plain decoding, 1.1% from the population's.
 POPULATION_WEIGHT = 0.01
 MIN_POPULATION_POSITIONS = 20
-# A tree's gain before a sequence's own trees say much: what recent trees gained against the chain of the same
-# depth (a ratio over about their last 50), worth TREE_PRIOR_TREES of the sequence's own trees once
-# MIN_POPULATION_TREES were seen; before, a guess a quarter above the chain. Through the gateway at one client (bf16
-# target, greedy, trees <= 8 nodes, 2026-12-05) about half the requests drafted one tree and chains from then
-# on: that one tree, accepting 0 or 1 tokens, was the whole estimate. A fixed k = 4 tree every step ran 1.65x
-# target-only against the policy's 1.50x.
-POPULATION_TREE_WEIGHT = 0.02
-MIN_POPULATION_TREES = 8
-TREE_PRIOR_TREES = 6
-TREE_GUESS = 1.25
 # A size measured within this many seconds is estimated from those times alone; older ones count only where none
 # is newer. And while a drafting plan is chosen, a plain step is run when plain decoding at the batch size was
 # last measured longer ago (at most one step in this many seconds): through the gateway at 8 clients (bf16 target,
@@ -131,11 +120,8 @@ class AcceptanceEstimate:
     weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
     tree_gain: float | None = None
     tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
-    trees: int = 0  # trees verified: the first ones count as a running mean
+    trees: int = 0  # trees verified: the first ones count as a running mean (the guess is worth none)
     probed_at: int = -1  # the policy's probe count when a probe last drafted for this sequence (-1: never)
-    # What recent sequences' trees gained per unit of their chain's expected gain at the same depth
-    # (`TreePopulation`); None until enough trees were seen: then a guess, a quarter above the chain
-    tree_ratio: float | None = None
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
@@ -162,40 +148,9 @@ class AcceptanceEstimate:
         return alpha * (1 - alpha**k) / (1 - alpha) if alpha != 1.0 else float(k)
 
     def expected_tree_gain(self, depth: int) -> float:
-        """The tree's gain: its own trees' mean, drawn towards what the population's trees gained for a sequence
-        of its chain acceptance (worth TREE_PRIOR_TREES of its own trees), or until any tree was measured a
-        guess a quarter above the chain of the same depth, so that a tree is tried and then judged by what trees
-        did. A sequence's trees vary from 0 to the depth: from its own first tree alone, one bad tree kept a
-        sequence on chains for good (it never drafted another to correct it), where trees paid."""
-        prior = (self.tree_ratio if self.tree_ratio is not None else TREE_GUESS) * self.chain_gain(depth)
-        if self.tree_gain is None:
-            return prior
-        own = min(self.trees, 1.0 / self.weight)  # what its moving average is worth, in trees
-        return (own * self.tree_gain + TREE_PRIOR_TREES * prior) / (own + TREE_PRIOR_TREES)
-
-
-@dataclass
-class TreePopulation:
-    """What recent trees of one kind (greedy or sampled) gained against what a chain of the same depth was
-    expected to gain for the sequence that drafted each: a ratio of moving sums over about the last 1 / weight
-    trees (a ratio of sums: a tree drafted where the chain expected almost nothing does not dominate)."""
-
-    weight: float = POPULATION_TREE_WEIGHT
-    accepted: float = 0.0
-    chain: float = 0.0
-    trees: int = 0
-
-    def add(self, chain_gain: float, num_accepted: int) -> None:
-        self.trees += 1
-        step = max(self.weight, 1.0 / self.trees)
-        self.accepted += step * (num_accepted - self.accepted)
-        self.chain += step * (chain_gain - self.chain)
-
-    @property
-    def ratio(self) -> float | None:
-        if self.trees < MIN_POPULATION_TREES or self.chain <= 0:
-            return None
-        return self.accepted / self.chain
+        """The tree's measured gain, or until it drafted one an optimistic guess (a quarter above the chain of the
+        same depth), so that a tree is tried and then judged by what it did."""
+        return self.tree_gain if self.tree_gain is not None else 1.25 * self.chain_gain(depth)
 
 
 class StepTimes:
@@ -462,7 +417,6 @@ class SpecPolicy:
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
     population: dict[bool, AcceptanceEstimate] = field(default_factory=dict)
-    tree_population: dict[bool, TreePopulation] = field(default_factory=dict)  # their trees, likewise
     outcomes: Outcomes = field(default_factory=Outcomes)
     _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
     _last_probe_loss: float = 0.0
@@ -474,33 +428,15 @@ class SpecPolicy:
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
         differ most: a sampled token matches the target's less often), else the agnostic prior."""
-        seen, trees = self.population.get(greedy), self.tree_population.get(greedy)
-        estimate = AcceptanceEstimate(tree_ratio=trees.ratio if trees is not None else None)
-        if seen is not None and seen.tested >= MIN_POPULATION_POSITIONS:
-            estimate.alpha = seen.alpha
-        return estimate
+        seen = self.population.get(greedy)
+        if seen is None or seen.tested < MIN_POPULATION_POSITIONS:
+            return AcceptanceEstimate()
+        return AcceptanceEstimate(alpha=seen.alpha)
 
     def record_acceptance(self, greedy: bool, num_drafted: int, num_accepted: int) -> None:
         """A chain's verdict, for the population's estimate (a sequence's own is updated by the engine)."""
         estimate = self.population.setdefault(greedy, AcceptanceEstimate(weight=POPULATION_WEIGHT))
         estimate.update(num_drafted, num_accepted)
-
-    def record_tree(
-        self, greedy: bool, acc: AcceptanceEstimate, depth: int, num_accepted: int, chain: tuple[int, int]
-    ) -> None:
-        """A tree's verdict (drafted `depth` deep for the sequence of `acc`; `chain`: what the chain of its first
-        children was told, positions tested and accepted): the sequence's own tree and chain estimates, the
-        population's, and the sequence's tree prior refreshed from it. Without the chain's verdict a sequence
-        that drafted trees kept the chain acceptance it had before, and the trees' ratio to it was judged against
-        a stale chain (a sequence's first lucky chain put it at 0.8; its trees then looked no better than it)."""
-        population = self.tree_population.setdefault(greedy, TreePopulation())
-        population.add(acc.chain_gain(depth), num_accepted)
-        acc.update_tree(num_accepted)
-        if chain[0]:
-            acc.update(*chain)
-            self.record_acceptance(greedy, *chain)
-        if population.ratio is not None:
-            acc.tree_ratio = population.ratio
 
     def plan(
         self, seqs: list[tuple[AcceptanceEstimate, int]], vary: bool = False, lags: list[int] | None = None
@@ -521,7 +457,7 @@ class SpecPolicy:
         batch = len(seqs)
         plain = [Plan(0)] * batch
         self._lags = lags if lags and any(lags) else None
-        key = tuple((id(acc), acc.alpha, acc.tree_gain, acc.tree_ratio, k_max) for acc, k_max in seqs)
+        key = tuple((id(acc), acc.alpha, acc.tree_gain, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
         if memo is not None and memo.key == key and memo.steps_left > 0 and not due:

@@ -119,20 +119,3 @@ def _dense(draft: Draft, node: int, like: torch.Tensor) -> torch.Tensor:  # [voc
     real = (ids >= 0) & (ids < like.shape[-1]) & (probs != 0)
     dense = torch.zeros_like(like)
     return dense.index_add_(0, ids[real].to(like.device), probs[real].to(like.device, torch.float64))
-
-
-def first_chain_verdict(draft: Draft, accepted: list[int]) -> tuple[int, int]:
-    """What a chain of the tree's first children (each node's first child: the drafter's likeliest, as trees are
-    drafted) would have been told, given the tree's accepted path tokens: (positions tested, accepted). Greedy,
-    a chain's verdict at each tested position is the test the tree made of that child (the target's token), so the
-    policy's chain acceptance learns from greedy trees too."""
-    children = tree_children(draft.parents or [])
-    node, num_accepted = -1, 0
-    for token in accepted:
-        first = children[node + 1][0] if children[node + 1] else None
-        if first is None:
-            return num_accepted, num_accepted  # the chain ends here: every tested position was accepted
-        if draft.token_ids[first] != token:
-            return num_accepted + 1, num_accepted
-        node, num_accepted = first, num_accepted + 1
-    return (num_accepted + 1 if children[node + 1] else num_accepted), num_accepted

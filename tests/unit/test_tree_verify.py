@@ -170,20 +170,3 @@ def test_negative_control_siblings_without_the_residual_update_fail(monkeypatch,
     else:
         counts = joint_counts(first, second, lambda rng: sampled_tree(rng, draft_first, draft_second), seed=13)
     assert joint_pvalue(counts, first, second) < ALPHA
-
-
-# ---- what a tree's verdict tells the policy about chains ------------------------------------------
-
-
-def test_the_chain_of_first_children_is_told_what_the_tree_tested_of_it():
-    # root -> 10 (0) | 11 (1); 10 -> 20 (2) | 21 (3); 20 -> 30 (4); 11 -> 22 (5)
-    draft = Draft("s", 5, [10, 11, 20, 21, 30, 22], parents=[-1, -1, 0, 0, 2, 1])
-    verdict = tree_verify.first_chain_verdict
-    assert verdict(draft, []) == (1, 0)  # the first child rejected
-    assert verdict(draft, [11, 22]) == (1, 0)  # a sibling accepted: the first child was rejected all the same
-    assert verdict(draft, [10]) == (2, 1)
-    assert verdict(draft, [10, 21]) == (2, 1)
-    assert verdict(draft, [10, 20]) == (3, 2)  # 30 tested and rejected
-    assert verdict(draft, [10, 20, 30]) == (3, 3)  # the chain ends: every position accepted
-    chain_like = Draft("s", 5, [7, 8], parents=[-1, 0])
-    assert verdict(chain_like, [7, 8]) == (2, 2)
