@@ -706,7 +706,7 @@ def test_a_catch_up_call_cheaper_than_a_call_is_expected_to_be_corrects_the_expe
     policy = SpecPolicy()
     policy.propose_chain = StepTimes(scales_with_batch=False, clock=lambda: now[0])
     for _ in range(3):
-        policy.record_propose(1, 1, False, 0.011)  # two slow early calls set the expectation
+        policy.record_propose(1, 1, False, 0.011)  # slow early calls set the expectation
     now[0] = 60.0  # a minute of plain decoding later, a probe's call with a catch-up of 40 positions
     policy.record_catch_up(1, 1, False, 0.012, 40)
     assert policy.propose_chain.estimate(1, 1) == pytest.approx(0.011)  # dearer: it says nothing of a call
