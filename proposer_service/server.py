@@ -30,6 +30,7 @@ from shared.drafting import Draft, Drafter, DraftRequest
 from shared.errors import InvalidRequestError, grpc_status_for
 from shared.feature_codec import features_from_proto
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
+from shared.hugepages import advise_process_memory
 from shared.malloc_tuning import tune_malloc
 from shared.model.tp_group import TPModelRunner
 from shared.omp_defaults import model_thread
@@ -316,6 +317,7 @@ class ProposerServer(ServiceRuntime):
         if drafter is None or info is None:
             drafter, info = await asyncio.get_running_loop().run_in_executor(compute, build_drafter, config)
         assert drafter is not None and info is not None
+        await asyncio.to_thread(advise_process_memory, "proposer")  # the drafter's weights on huge pages
         if telemetry is None:
             telemetry = setup_telemetry("specdec-proposer", metrics_port=config.metrics_port, metrics_host=config.host)
         servicer = ProposerServicer(drafter, info, telemetry, compute)

@@ -194,6 +194,7 @@ def _service_env() -> dict[str, str]:
     keep.add("SPECDEC_LOG_LEVEL")  # e.g. DEBUG: the speculation policy's reasons, step by step
     keep.add("SPECDEC_MKL_PRODUCTS")  # 0: oneDNN's fp32 products (an A/B of shared/model/mkl_product.py)
     keep.update({"SPECDEC_BF16_TILES", "SPECDEC_FP32_TILES"})  # 0: oneDNN's products (A/Bs of shared/model/tiles.py)
+    keep.add("SPECDEC_HUGEPAGES")  # 0: the services' pages as the kernel gives them (an A/B of shared/hugepages.py)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPECDEC_") or k in keep}
     env.setdefault("HF_HUB_OFFLINE", "1")
     env["PYTHONUNBUFFERED"] = "1"
@@ -376,6 +377,7 @@ def build_stacks(
     for name in names:
         base, dtype = _stack_dtype(name)
         kind = STACK_KINDS[base]
+        pages = {"SPECDEC_HUGEPAGES": "0"} if name.endswith(SMALL_PAGES) else {}
         stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         stack.metrics_ports["verifier"] = free_port()
@@ -401,7 +403,7 @@ def build_stacks(
                 verifier += ["--max-tree-nodes", str(TREE_NODES)]
             cmd, env = pinned(_command("specdec-proposer", "proposer_service.server") + proposer, core_of["other"])
             log_path = log_dir / f"{name}-proposer.log"
-            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_path, env=env))
+            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_path, env={**env, **pages}))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
             if "-adaptive" in base:
                 k = K_SUFFIX if kind == "suffix" else K_ADAPTIVE
@@ -409,18 +411,24 @@ def build_stacks(
             else:
                 verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
         cmd, env = pinned(_command("specdec-verifier", "verifier_service.server") + verifier, core_of["verifier"])
-        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log", env=env))
+        log_path = log_dir / f"{name}-verifier.log"
+        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_path, env={**env, **pages}))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
         gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
         gateway += ["--http-port", str(stack.http_port)]
         cmd, env = pinned(_command("specdec-gateway", "gateway.server") + gateway, core_of["other"])
-        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log", env=env))
+        log_path = log_dir / f"{name}-gateway.log"
+        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_path, env={**env, **pages}))
         stacks[name] = stack
     return stacks
 
 
+SMALL_PAGES = "-4k"  # a stack name's last suffix: its services with SPECDEC_HUGEPAGES=0 (an A/B of huge pages)
+
+
 def _stack_dtype(name: str) -> tuple[str, str]:
     """A stack's name without its dtype suffix, and its dtype: `eagle-adaptive-bf16` -> (eagle-adaptive, bfloat16)."""
+    name = name.removesuffix(SMALL_PAGES)
     for dtype, suffix in HALF_DTYPES.items():
         if name.endswith(f"-{suffix}"):
             return name.removesuffix(f"-{suffix}"), dtype

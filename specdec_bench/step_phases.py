@@ -3,7 +3,8 @@
 Starts the stacks as `gateway_bench` does (one at a time, the same processes and flags), then alternates groups
 of `--clients` concurrent requests (the general prompts, greedy unless `--temperature`), reading each verifier's
 Prometheus histograms before and after every group: steps, milliseconds a step, and its phases (propose on the
-critical path, score, verify, network), drafted tokens, and each service process's CPU seconds from /proc.
+critical path, score, verify, network), drafted tokens, each service process's CPU seconds from /proc, and the
+verifier's per thread (its event loop apart from the step thread and its OpenMP workers) and its page faults.
 `--max-draft-tokens 0` makes a speculative stack decode every request plainly, which separates what its plain
 steps cost from what drafting costs.
 """
@@ -47,8 +48,26 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_seconds(pid: int) -> dict[int, float]:
+    """Each thread's CPU seconds (schedstat: nanoseconds, not clock ticks)."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out[int(task.name)] = int((task / "schedstat").read_text().split()[0]) / 1e9
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def minor_faults(pid: int) -> int:  # pages the process faulted in: a step that allocates fresh memory shows here
+    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[7])
+
+
 def measure(stack: gb.Stack, prompts: list[list[int]], args: argparse.Namespace) -> str:
     address = f"{gb.HOST}:{stack.metrics_ports['verifier']}"
+    verifier = next(p.proc.pid for p in stack.procs if p.proc and p.name.endswith("verifier"))
+    threads = thread_seconds(verifier)
+    faults = minor_faults(verifier)
     before, cpu = totals(scrape(address)), {p.name: cpu_seconds(p.proc.pid) for p in stack.procs if p.proc}
     m = asyncio.run(
         gb.run_gateway(
@@ -57,6 +76,11 @@ def measure(stack: gb.Stack, prompts: list[list[int]], args: argparse.Namespace)
         )
     )  # fmt: skip
     after = totals(scrape(address))
+    threads_after = thread_seconds(verifier)
+    faults = minor_faults(verifier) - faults
+    used_by = {t: s - threads.get(t, 0.0) for t, s in threads_after.items()}
+    main_ms = 1e3 * used_by.get(verifier, 0.0)
+    busiest = sorted((v for t, v in used_by.items() if t != verifier), reverse=True)
     delta = {k: v - before.get(k, 0.0) for k, v in after.items()}
     steps = delta.get("step_count", 0.0) or 1.0
     phases = " ".join(f"{p} {1e3 * delta.get(p + '_sum', 0.0) / steps:.1f}" for p in PHASES)
@@ -65,13 +89,21 @@ def measure(stack: gb.Stack, prompts: list[list[int]], args: argparse.Namespace)
     )
     return (
         f"{stack.name}: {m.tokens_per_s:.1f} tok/s, {steps:.0f} steps, {1e3 * delta.get('step_sum', 0.0) / steps:.1f} "
-        f"ms a step ({phases}), drafted {delta.get('drafted', 0.0):.0f}; CPU s: {used}"
+        f"ms a step ({phases}), drafted {delta.get('drafted', 0.0):.0f}; CPU s: {used}; verifier CPU ms a step: "
+        f"event loop {main_ms / steps:.2f}, busiest other threads "
+        + " ".join(f"{1e3 * v / steps:.2f}" for v in busiest[:3])
+        + f"; page faults a step {faults / steps:.0f}"
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m specdec_bench.step_phases", description=__doc__.splitlines()[0])
-    parser.add_argument("--stacks", default="target,eagle-adaptive-tree", help=f"from {', '.join(gb.STACK_KINDS)}")
+    parser.add_argument(
+        "--stacks",
+        default="target,eagle-adaptive-tree",
+        help=f"from {', '.join(gb.STACK_KINDS)}, each with a dtype suffix (-bf16) and then -4k (its services on "
+        "the pages the kernel gives them, SPECDEC_HUGEPAGES=0) if wanted",
+    )
     parser.add_argument("--runs", type=int, default=4, help="groups per stack, alternating the order")
     parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)

@@ -431,8 +431,14 @@ class Engine:
             return
         if seq.features is None:
             seq.features = FeatureStore()
-        # index_select copies: a view would keep the step's whole batch
-        seq.features.add(seq.num_computed, hidden.index_select(0, torch.tensor(rows, device=hidden.device)))
+        # A copy: a view would keep the step's whole batch. Rows 0..n-1 (a plain step, a prefill chunk, a chain's
+        # accepted prefix) are one slice's copy: an index tensor per sequence and step cost about twice that
+        # (0.046 against 0.025 ms for 8 sequences' one row each, bf16).
+        if rows == list(range(len(rows))):
+            kept = hidden[: len(rows)].clone()
+        else:
+            kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        seq.features.add(seq.num_computed, kept)
 
     def _measure_costs(
         self,

@@ -64,6 +64,9 @@ def main() -> int:
         traceback.print_exc()
         store.set(f"error/{rank}", f"{type(err).__name__}: {err}")
         return EXIT_FAILED
+    from shared.hugepages import advise_process_memory
+
+    advise_process_memory(f"tensor-parallel rank {rank}")  # its shard and cache slice, as rank 0's
     store.set(f"ready/{rank}", "1")
     log.info("tensor-parallel rank %d/%d ready model=%s pid=%d", rank, world_size, spec.model, os.getpid())
     return serve(channel, runner)

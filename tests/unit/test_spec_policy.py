@@ -374,6 +374,23 @@ def test_while_plain_is_clearly_best_the_plan_is_made_again_only_now_and_then(mo
     assert made_memo <= depths * (steps / 8 + 2 * sum(memo) + 2), (made_memo, sum(memo))
 
 
+def test_a_batch_none_of_which_may_draft_is_planned_plain_without_pricing_it(monkeypatch):
+    """Every request capped at k = 0 (or at its last token): plain, and no rate is worked out for it (it cost
+    0.08 ms a step at batch 8); a probe's flag does not outlive it."""
+    policy = informed_policy(COSTS["cpu-eagle"], batch=8)
+    policy.probed = True
+
+    def priced(*args, **kwargs):
+        raise AssertionError("a plan with nothing to choose was priced")
+
+    monkeypatch.setattr(policy, "_rate", priced)
+    estimates = [AcceptanceEstimate(alpha=0.9, tested=1000) for _ in range(8)]
+    assert policy.plan([(e, 0) for e in estimates], vary=True, lags=[40] * 8) == [Plan(0)] * 8
+    assert policy.probed is False
+    with pytest.raises(AssertionError, match="priced"):  # one sequence that may draft is priced
+        policy.plan([(e, 1 if i == 0 else 0) for i, e in enumerate(estimates)])
+
+
 def informed_policy(cost: Costs, batch: int) -> SpecPolicy:
     """A policy that measured every size it may plan with, once."""
     policy = SpecPolicy()
