@@ -15,6 +15,7 @@ from dataclasses import replace
 import torch
 
 from shared.drafting import Drafter
+from shared.hugepages import advise_process_memory
 from shared.model.build import CacheConfig, PagedModel, load_paged_model
 from shared.model.config import ModelArch
 from shared.model.llama import LlamaModel
@@ -107,6 +108,8 @@ def build_service_engine(
     )
     with closing_on_failure(paged.runner):
         engine = engine_on(paged, drafter, config.engine_config(paged.max_model_len))
+        # The weights and the cache on huge pages before the warm-up: the policy starts from the warm-up's timings
+        advise_process_memory("verifier")
         if config.warm_up:
             started = time.monotonic()
             engine.warm_up()  # with --compile, the first forward compiles the graph: most of a minute

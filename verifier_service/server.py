@@ -18,7 +18,6 @@ import grpc
 from shared.config import load_config
 from shared.errors import InvalidRequestError, SpecdecError, grpc_status_for
 from shared.grpc_server import add_health_and_reflection, new_server, set_serving, setup_logging
-from shared.hugepages import advise_process_memory
 from shared.logprobs import check_top_logprobs
 from shared.logprobs import to_proto as logprobs_to_proto
 from shared.malloc_tuning import tune_malloc
@@ -284,7 +283,6 @@ class VerifierServer(ServiceRuntime):
             if proposer is not None:
                 await proposer.close()
             raise
-        await asyncio.to_thread(advise_process_memory, "verifier")  # the weights and the cache on huge pages
         loop = EngineLoop(engine, proposer, step_thread=step_thread)
         if telemetry is None:
             telemetry = setup_telemetry("specdec-verifier", metrics_port=config.metrics_port, metrics_host=config.host)
