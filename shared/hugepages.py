@@ -112,7 +112,8 @@ def _advise(service: str) -> Advised:
     off = os.environ.get("SPECDEC_HUGEPAGES", "1") == "0" or not sys.platform.startswith("linux")
     mode = "unavailable" if off else thp_mode()
     if mode in ("never", "unavailable"):
-        log.info("%s: huge pages not asked for (transparent huge pages: %s)", service, mode)
+        why = "SPECDEC_HUGEPAGES=0" if os.environ.get("SPECDEC_HUGEPAGES") == "0" else f"transparent huge pages: {mode}"
+        log.info("%s: huge pages not asked for (%s)", service, why)
         return Advised(mode)
     libc, huge, started, before = _libc(), huge_page_bytes(), time.monotonic(), _huge_resident()
     advised = 0

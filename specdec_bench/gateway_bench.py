@@ -377,7 +377,6 @@ def build_stacks(
     for name in names:
         base, dtype = _stack_dtype(name)
         kind = STACK_KINDS[base]
-        pages = {"SPECDEC_HUGEPAGES": "0"} if name.endswith(SMALL_PAGES) else {}
         stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         stack.metrics_ports["verifier"] = free_port()
@@ -403,7 +402,7 @@ def build_stacks(
                 verifier += ["--max-tree-nodes", str(TREE_NODES)]
             cmd, env = pinned(_command("specdec-proposer", "proposer_service.server") + proposer, core_of["other"])
             log_path = log_dir / f"{name}-proposer.log"
-            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_path, env={**env, **pages}))
+            stack.procs.append(Proc(f"{name}-proposer", cmd, ports["proposer"], log_path, env=env))
             verifier += ["--proposer", f"{HOST}:{ports['proposer']}"]
             if "-adaptive" in base:
                 k = K_SUFFIX if kind == "suffix" else K_ADAPTIVE
@@ -411,14 +410,15 @@ def build_stacks(
             else:
                 verifier += ["--num-speculative-tokens", str(K), "--no-adaptive-k"]
         cmd, env = pinned(_command("specdec-verifier", "verifier_service.server") + verifier, core_of["verifier"])
-        log_path = log_dir / f"{name}-verifier.log"
-        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_path, env={**env, **pages}))
+        stack.procs.append(Proc(f"{name}-verifier", cmd, ports["verifier"], log_dir / f"{name}-verifier.log", env=env))
         gateway = ["--verifiers", f"{HOST}:{ports['verifier']}", "--tokenizer", target]
         gateway += ["--host", HOST, "--port", str(ports["gateway"]), "--health-check-timeout-s", "5"]
         gateway += ["--http-port", str(stack.http_port)]
         cmd, env = pinned(_command("specdec-gateway", "gateway.server") + gateway, core_of["other"])
-        log_path = log_dir / f"{name}-gateway.log"
-        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_path, env={**env, **pages}))
+        stack.procs.append(Proc(f"{name}-gateway", cmd, ports["gateway"], log_dir / f"{name}-gateway.log", env=env))
+        if name.endswith(SMALL_PAGES):
+            for proc in stack.procs:
+                proc.env["SPECDEC_HUGEPAGES"] = "0"
         stacks[name] = stack
     return stacks
 

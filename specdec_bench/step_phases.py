@@ -43,8 +43,13 @@ def totals(metrics: dict) -> dict[str, float]:
     return out
 
 
+def _stat(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces): field 3 (state) first."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+
+
 def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
+    fields = _stat(pid)
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
@@ -60,7 +65,7 @@ def thread_seconds(pid: int) -> dict[int, float]:
 
 
 def minor_faults(pid: int) -> int:  # pages the process faulted in: a step that allocates fresh memory shows here
-    return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[7])
+    return int(_stat(pid)[7])
 
 
 def measure(stack: gb.Stack, prompts: list[list[int]], args: argparse.Namespace) -> str:
