@@ -245,6 +245,7 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
         machine=f"{platform.machine()}, {torch.get_num_threads()} thread(s)", sittings=_sittings(trainer), top1=top1,
         best_step=trainer.best[1] if trainer.best else trainer.step, eval_k=args.eval_k,
         heldout=chain.mean_accepted_length, heldout_per_position=" / ".join(f"{p:.2f}" for p in chain.per_position),
+        heldout_per_start=chain.per_start_length,
         num_heldout=len(held_out_conversations()), eval_tokens=args.eval_tokens, evaluation=evaluation,
     )  # fmt: skip
 

@@ -136,9 +136,10 @@ LM head are read from the target at load time.
   {step_decay}^(s-1).{init_note}
 - Time: training {train_minutes:.1f} min in all on {machine}{sittings}.
 - Final training-batch top-1 agreement (last 50 steps): {top1}.
-- Kept weights: step {best_step}, the best held-out measure (greedy chain k = {eval_k} over every start
-  position of the held-out answers, `specdec_train/heldout.py`): **{heldout:.2f}** tokens per verify step,
-  per position {heldout_per_position}.
+- Kept weights: step {best_step}, the best held-out measure (greedy chain k = {eval_k}, verify rounds walked
+  over the held-out answers as an engine makes them, `specdec_train/heldout.py`): **{heldout:.2f}** tokens per
+  verify step, per position {heldout_per_position} (averaged over every start position instead:
+  {heldout_per_start:.2f}).
 
 ![loss and acceptance curves](loss.png)
 

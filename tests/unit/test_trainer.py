@@ -27,7 +27,7 @@ from shared.model.eagle import (
 )
 from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
-from specdec_train.heldout import HeldOut
+from specdec_train.heldout import HeldOut, walk_rounds
 from specdec_train.report import frequency_subset
 from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, paced_steps, scored, unrolled_forward
 from tests.tiny import ours, tiny_hf_model
@@ -178,7 +178,7 @@ def test_heldout_measure_is_greedy_drafting_with_the_serving_head(tmp_path, fuse
     chain = HeldOut([{"tokens": tokens, "generated": generated}], features, k, max_len=64).measure(trainer)
     ((_, layer_feats),) = features([tokens])
     ids = tokens.long()
-    accepted, starts = torch.zeros(k), 0
+    accepted, starts, hits_at = torch.zeros(k), 0, {}
     for m in range(len(ids) - k - 1):
         if not generated[m + 1 : m + k + 2].all():
             continue
@@ -201,9 +201,29 @@ def test_heldout_measure_is_greedy_drafting_with_the_serving_head(tmp_path, fuse
             )[0]
         accepted[:hits] += 1
         starts += 1
+        hits_at[m] = hits
     assert chain.starts == starts and starts > 0
-    assert chain.per_position == pytest.approx((accepted / starts).tolist())
+    assert chain.per_start == pytest.approx((accepted / starts).tolist())
+    # An engine's rounds: the first drafts after the answer's first token (position 5, from the prefill), each
+    # next one after the accepted drafts and the target's own token
+    m, per_round = 4, []
+    while m in hits_at:
+        per_round.append(hits_at[m])
+        m += hits_at[m] + 1
+    assert chain.rounds == len(per_round) < starts
+    assert chain.per_position == pytest.approx([sum(h > i for h in per_round) / len(per_round) for i in range(k)])
     assert 0 < chain.per_position[0] < 1
+
+
+def test_rounds_are_walked_as_an_engine_steps_through_each_answer():
+    # starts 0-1: a prompt; 2-7: one answer; 8-9: the next turn's prompt; 10-13: the next answer
+    ok = [False] * 2 + [True] * 6 + [False] * 2 + [True] * 4
+    accepted = [4, 4, 1, 4, 0, 2, 3, 3, 4, 4, 3, 1, 1, 1]
+    # answer 1: start 2 accepts 1 -> start 4 accepts 0 -> start 5 accepts 2 -> start 8, past the answer;
+    # answer 2: start 10 accepts 3 -> start 14, past the row
+    assert walk_rounds(accepted, ok) == [1, 0, 2, 3]
+    assert walk_rounds([0] * 3, [True] * 3) == [0, 0, 0]
+    assert walk_rounds([2, 2], [False, False]) == []
 
 
 def test_make_batch_teacher_rows_line_up_with_scored_positions():
