@@ -65,12 +65,16 @@ class Acceptance:
             self.accepted_at[i] += i < num_accepted
 
 
-def measure_acceptance(engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0) -> Acceptance:
-    """Run the prompts through an engine with a fixed k; count accepted drafts per position."""
+def measure_acceptance(
+    engine, prompts: list[list[int]], max_tokens: int, temperature: float = 0.0, seeded: bool = True
+) -> Acceptance:
+    """Run the prompts through an engine with a fixed k; count accepted drafts per position. Sampled prompts
+    carry seeds 0, 1, ... unless `seeded` is False."""
     k = engine.config.num_speculative_tokens
     result = Acceptance(k, accepted_at=[0] * k)
     for i, ids in enumerate(prompts):
-        params = SamplingParams(temperature=temperature, seed=i if temperature else None, max_tokens=max_tokens)
+        seed = i if temperature and seeded else None
+        params = SamplingParams(temperature=temperature, seed=seed, max_tokens=max_tokens)
         engine.add_request(f"eval{i}", ids, params)
     while engine.has_unfinished():
         for out in engine.step():

@@ -27,8 +27,9 @@ from shared.model.eagle import (
 )
 from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
+from specdec_train.evaluate import rows_for
 from specdec_train.heldout import HeldOut, walk_rounds
-from specdec_train.report import frequency_subset
+from specdec_train.report import frequency_subset, measure_acceptance
 from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, paced_steps, scored, unrolled_forward
 from tests.tiny import ours, tiny_hf_model
 
@@ -50,6 +51,7 @@ def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
     assert (out / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     card = (out / "README.md").read_text()
     assert "python -m specdec_train" in card and "tokens per verify step" in card
+    assert "| tree k=4, <= 10 nodes, T=0.8 unseeded |" in card
     shards = sorted((work / "data").glob("shard-*.pt"))
     stamps = [p.stat().st_mtime_ns for p in shards]
     checkpoint = work / "checkpoint-seed0.pt"
@@ -71,6 +73,30 @@ def test_frequency_subset_ranks_generated_ids_by_count_then_id():
     generated = torch.tensor([False] * 4 + [True] * 6)  # the prompt's 4s do not count
     subset = frequency_subset([{"tokens": tokens, "generated": generated}], vocab_size=12, size=5, always=(11,))
     assert subset.tolist() == [11, 5, 9, 2, 0]
+
+
+def test_sampled_rows_carry_a_seed_unless_told_not_to():
+    """A seeded request drafts a chain (the engine follows its seeded token): the T = 0.8 tree row must go unseeded."""
+
+    class Engine:
+        config = type("Config", (), {"num_speculative_tokens": 4})
+
+        def __init__(self):
+            self.seeds = []
+
+        def add_request(self, request_id, ids, params):
+            self.seeds.append(params.seed)
+
+        def has_unfinished(self):
+            return False
+
+    prompts = [[1, 2], [3, 4], [5]]
+    for temperature, seeded, expected in ((0.8, True, [0, 1, 2]), (0.8, False, [None] * 3), (0.0, True, [None] * 3)):
+        engine = Engine()
+        measure_acceptance(engine, prompts, 8, temperature, seeded)
+        assert engine.seeds == expected
+    (tree_sampled,) = [row for row in rows_for(10) if row.tree_nodes and row.temperature]
+    assert tree_sampled.tree_nodes == 10 and not tree_sampled.seeded
 
 
 def test_help():
