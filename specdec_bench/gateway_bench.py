@@ -108,6 +108,15 @@ CONFIGS: tuple[GwConfig, ...] = (
     GwConfig("ts", f"target only (k=0), T={SAMPLED_T:g}", "general", "target", SAMPLED_T, "ts"),
     GwConfig("d4s", f"draft model, k=4, T={SAMPLED_T:g}", "general", "draft", SAMPLED_T, "ts"),
     GwConfig("g4s", f"EAGLE head, k=4, T={SAMPLED_T:g}", "general", "eagle", SAMPLED_T, "ts"),
+    GwConfig("g4t", f"EAGLE head, k=4, a tree<={TREE_NODES} nodes every step", "general", "eagle-tree"),
+    GwConfig(
+        "g4ts",
+        f"EAGLE head, k=4, a tree<={TREE_NODES} nodes every step, T={SAMPLED_T:g}",
+        "general",
+        "eagle-tree",
+        SAMPLED_T,
+        "ts",
+    ),
     GwConfig("ga", f"EAGLE head, adaptive k<={K_ADAPTIVE}, chains", "general", "eagle-adaptive"),
     GwConfig(
         "gas",
@@ -152,7 +161,10 @@ CONFIGS: tuple[GwConfig, ...] = (
 )
 # Rows run again with a half-precision target when --dtype asks for it (key, label and stack get the suffix).
 HALF_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
-HALF_TWINS = ("t", "d4", "g4", "ga", "ts", "gas", "gt", "gts")
+HALF_TWINS = ("t", "d4", "g4", "g4t", "ga", "ts", "g4s", "g4ts", "gas", "gt", "gts")
+# The policy's rows against the fixed configurations it chooses among (issue 23: at most 5% slower than the best)
+POLICY_AGAINST_FIXED = (("gt", ("g4", "g4t")), ("gts", ("g4s", "g4ts")))
+POLICY_TARGET = 0.95
 
 
 def _twin(cfg: GwConfig, dtype: str) -> GwConfig:
@@ -856,7 +868,52 @@ def summarise(results: dict[tuple[str, int], list[Measurement]], plan: Plan) -> 
             per_run.append(run)
         overhead = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
         overhead["runs"] = per_run
-    return {"rows": rows, "overhead": overhead, "checks": output_checks(results)}
+    return {
+        "rows": rows,
+        "overhead": overhead,
+        "checks": output_checks(results),
+        "policy": policy_against_fixed(results),
+    }
+
+
+def render_policy(cells: list[dict[str, Any]]) -> list[str]:
+    if not cells:
+        return []
+    out = [
+        "",
+        f"### The policy against the fixed configurations it chooses among (target: at least {POLICY_TARGET:g}x "
+        "the best of them)",
+        "",
+        "| policy | clients | fixed rows | × the best fixed row (median of runs) | per run | result |",
+        "| --- | ---: | --- | ---: | --- | --- |",
+    ]
+    for c in cells:
+        out.append(
+            f"| {label_of(c['policy'])} | {c['clients']} | {', '.join(f'`{k}`' for k in c['fixed'])} "
+            f"| {c['ratio']:.2f} | {' '.join(f'{r:.2f}' for r in c['per_run'])} "
+            f"| {'PASS' if c['ratio'] >= POLICY_TARGET else 'FAIL'} |"
+        )
+    return out
+
+
+def policy_against_fixed(results: dict[tuple[str, int], list[Measurement]]) -> list[dict[str, Any]]:
+    """Per cell where the policy's row and a fixed one ran: the policy's tokens/s over the best fixed row's in
+    each run (the rows of one run are timed minutes apart, so each run is its own pair), and the median."""
+    cells = []
+    for clients in CLIENTS:
+        for suffix in ("", *(f"-{s}" for s in HALF_DTYPES.values())):
+            for policy, fixed in POLICY_AGAINST_FIXED:
+                ms = results.get((policy + suffix, clients))
+                ran = [key + suffix for key in fixed if (key + suffix, clients) in results]
+                if not ms or not ran:
+                    continue
+                per_run = [
+                    m.tokens_per_s / max(results[(key, clients)][i].tokens_per_s for key in ran)
+                    for i, m in enumerate(ms)
+                ]
+                cells.append({"policy": policy + suffix, "clients": clients, "fixed": ran, "per_run": per_run})
+                cells[-1]["ratio"] = statistics.median(per_run)
+    return cells
 
 
 def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str]:
@@ -876,7 +933,7 @@ def output_checks(results: dict[tuple[str, int], list[Measurement]]) -> list[str
         (("g4", 8), ("t", 8)),
         (("ga", 1), ("t", 1)),
         (("ga", 8), ("t", 8)),
-        *(((key, n), ("t", n)) for key in ("g4d", "gad", "gt") for n in CLIENTS),
+        *(((key, n), ("t", n)) for key in ("g4d", "gad", "gt", "g4t") for n in CLIENTS),
         (("t", 8), ("t", 1)),
     ]
     # a half-precision target's greedy rows against its own target-only row (a near-tie may flip against fp32);
@@ -1025,6 +1082,7 @@ def render(summary: dict, meta: dict) -> str:
         for name, lines in summary["figures"].items():
             if lines:
                 out += [f"- `{name}`: " + "; ".join(lines)]
+    out += render_policy(summary.get("policy", []))
     out += ["", "### Output checks (greedy: every configuration must emit the same tokens)", ""]
     out += [f"- {line}" for line in summary["checks"]]
     out += ["", "### How to read this", "", HOW_TO_READ, end, ""]
