@@ -2,8 +2,9 @@
 from them instead of guessing, and keeps updating them from every decode step.
 
 For each batch size (powers of two, and max_num_seqs) and number of draft tokens in all, from none to MAX_DRAFT
-per sequence (at most the engine's k), the target scores them after a CONTEXT-token history, as a decode step
-does, spread evenly over the sequences; the median of the repetitions goes to the policy. The totals lie half a
+per sequence (at most the engine's k; where trees may be drafted, a whole tree a sequence up to batch TREE_BATCH),
+the target scores them after a CONTEXT-token history, as a decode step does, spread evenly over the sequences;
+the median of the repetitions goes to the policy. The totals lie half a
 batch apart (every row up to batch 2): the scoring time can rise in steps of a block of rows (bf16 products
 with AMX run 16 rows at a time, shared/model/parallel.py: at batch 8 35-39 ms up to 16 rows, 59-67 ms from 18), and the
 policy sees where a step ends only where it measured. It takes 4-6 seconds for the default target at
@@ -20,6 +21,12 @@ from shared.model.runner import ForwardItem
 
 CONTEXT = 128  # tokens of history per sequence: a short chat turn
 MAX_DRAFT = 4  # draft tokens per sequence measured at most; beyond, the policy extends the last measured slope
+# Where trees may be drafted, batches up to this size are measured up to a whole tree a sequence: the slope the
+# policy extends beyond its measured sizes is a line through its live times, and at one client (fp32 target,
+# trees <= 8 nodes, 2026-12-06) plain steps timed in one of the host's fast minutes and chains in a slow one made
+# it 1.0-1.6 ms a token, so a tree of 8 was expected to score in 33.4 ms against 24.9 for a chain of 4 (it took
+# about 25-27), and in one gateway run the policy drafted 1 tree in 204 plans.
+TREE_BATCH = 2
 REPS = 2  # timed forwards per shape (a first forward at a new shape took no longer than the next ones)
 
 
@@ -28,10 +35,12 @@ def calibrate(engine) -> None:
     max_draft = min(MAX_DRAFT, config.num_speculative_tokens)
     if max_draft < 1:
         return  # nothing to compare: the engine never drafts
-    context = min(CONTEXT, config.max_model_len - max_draft - 1)
+    max_tree = config.max_tree_nodes if config.num_speculative_tokens > 1 else 0
+    most = max(max_draft, max_tree)
+    context = min(CONTEXT, config.max_model_len - most - 1)
     batches = sorted({min(2**i, config.max_num_seqs) for i in range(config.max_num_seqs.bit_length() + 1)})
     seqs = [f"calibration-{i}" for i in range(batches[-1])]
-    needed = context + max_draft + 1
+    needed = context + most + 1
     if any(not blocks.can_reserve(seq, needed * len(seqs)) for seq in seqs[:1]):
         return  # a cache too small to spare: learn online only
     tables = []
@@ -43,7 +52,8 @@ def calibrate(engine) -> None:
         for table in tables:  # one sequence at a time: no large prefill buffer
             runner.forward([ForwardItem(table, 0, history, 0)])
         for batch in batches:
-            for drafted in range(0, batch * max_draft + 1, max(1, batch // 2)):
+            per_seq_most = most if batch <= TREE_BATCH else max_draft
+            for drafted in range(0, batch * per_seq_most + 1, max(1, batch // 2)):
                 per_seq = [drafted // batch + (i < drafted % batch) for i in range(batch)]
                 items = [
                     ForwardItem(table, context, history[: k + 1], k + 1)

@@ -20,3 +20,17 @@ def test_warm_up_measures_scoring_times_per_batch_size_and_number_of_draft_token
         assert scoring.has_slope(batch) and scoring.estimate(batch, batch) > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
     assert engine.stats.steps == 0  # the counters start from zero after the warm-up
+
+
+def test_where_trees_may_be_drafted_small_batches_are_measured_up_to_a_whole_tree():
+    """Beyond its measured sizes the policy extends a slope fitted to live times, which a host's fast and slow
+    minutes can make several times too steep: a tree's size is measured where trees are drafted most."""
+    target = ours(tiny_hf_model(seed=1))
+    config = EngineConfig(num_speculative_tokens=4, max_tree_nodes=8, max_num_seqs=4, max_model_len=256)
+    engine = build_engine(target, "ngram", config, CacheConfig(block_size=8))
+    engine.warm_up()
+    scoring = engine.scheduler.policy.scoring
+    assert set(scoring.calibrated[1]) == set(range(1, 10))  # up to a tree of 8 beside the sequence's own token
+    assert set(scoring.calibrated[2]) == set(range(2, 19))
+    assert set(scoring.calibrated[4]) == set(range(4, 21, 2))  # larger batches: up to 4 drafts a sequence, as before
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
