@@ -465,3 +465,36 @@ def test_generation_dtype_auto_is_bf16_only_with_bf16_kernels():
 
     assert generation_dtype("auto") == ("bfloat16" if half_kernels(torch.bfloat16) else "float32")
     assert generation_dtype("float32") == "float32" and generation_dtype("bfloat16") == "bfloat16"
+
+
+def test_a_checkpoint_rated_by_the_older_measure_has_its_best_weights_rated_again(tmp_path):
+    """Before 2026-12-06 the held-out measure counted every start position (about 0.13 above the walked rounds): a
+    resumed sitting's weights must not have to beat that figure, so the best weights are measured again, and the
+    sitting's own weights are left as they were."""
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    arch, _, layers = _arch_and_state(fused=False)
+    embed, lm_head = model.embed_tokens.weight, model.lm_head_weight
+    name = "fc.bias"
+    path = tmp_path / "checkpoint.pt"
+    trainer = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
+    best = {k: v.detach().clone() for k, v in trainer.state.items()}
+    best[name].fill_(0.25)
+    trainer.best = (9.0, 3, best)
+    trainer.save_checkpoint(path)
+    current = trainer.state[name].detach().clone()
+
+    def measured(t: Trainer) -> float:  # a figure of the weights it is given
+        calls.append(1)
+        return float(t.state[name].mean())
+
+    for older in (False, True):
+        if older:
+            ckpt = torch.load(path, weights_only=False)
+            del ckpt["heldout_measure"]
+            torch.save(ckpt, path)
+        calls = []
+        resumed = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
+        resumed.fit([], lambda tokens: [], path, measured, export_only=True)
+        assert resumed.best is not None and resumed.best[1] == 3
+        assert resumed.best[0] == (pytest.approx(0.25) if older else 9.0) and len(calls) == int(older)
+        torch.testing.assert_close(resumed.state[name], current)
