@@ -911,8 +911,15 @@ def policy_against_fixed(results: dict[tuple[str, int], list[Measurement]]) -> l
                     m.tokens_per_s / max(results[(key, clients)][i].tokens_per_s for key in ran)
                     for i, m in enumerate(ms)
                 ]
-                cells.append({"policy": policy + suffix, "clients": clients, "fixed": ran, "per_run": per_run})
-                cells[-1]["ratio"] = statistics.median(per_run)
+                cells.append(
+                    {
+                        "policy": policy + suffix,
+                        "clients": clients,
+                        "fixed": ran,
+                        "per_run": per_run,
+                        "ratio": statistics.median(per_run),
+                    }
+                )
     return cells
 
 

@@ -394,11 +394,15 @@ class Trainer:
         position counted, which runs about 0.13 higher than the walked rounds): rated again by this one, or the
         sitting's weights would have to beat a figure this measure never gives."""
         if self.best is not None:
-            current = {k: v.detach().clone() for k, v in self.state.items()}
+            current = self._weights()
             self.load_weights(self.best[2])
             self.best = (evaluate(self), self.best[1], self.best[2])
             self.load_weights(current)
         self.best_measured_by = HELDOUT_MEASURE
+
+    def _weights(self) -> dict[str, torch.Tensor]:
+        """A copy of the trainable state as it is now."""
+        return {k: v.detach().clone() for k, v in self.state.items()}
 
     def best_state(self) -> dict[str, torch.Tensor]:
         return self.best[2] if self.best is not None else self.state
@@ -407,7 +411,7 @@ class Trainer:
         """Record the held-out measure of the current weights; keep them if they are the best so far."""
         self.history[-1]["heldout"] = value
         if self.best is None or value > self.best[0]:
-            self.best = (value, self.step, {k: v.detach().clone() for k, v in self.state.items()})
+            self.best = (value, self.step, self._weights())
 
     def fit(
         self,

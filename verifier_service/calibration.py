@@ -4,10 +4,10 @@ from them instead of guessing, and keeps updating them from every decode step.
 For each batch size (powers of two, and max_num_seqs) and number of draft tokens in all, from none to MAX_DRAFT
 per sequence (at most the engine's k; where trees may be drafted, a whole tree a sequence up to batch TREE_BATCH),
 the target scores them after a CONTEXT-token history, as a decode step does, spread evenly over the sequences;
-the median of the repetitions goes to the policy. The totals lie half a
-batch apart (every row up to batch 2): the scoring time can rise in steps of a block of rows (bf16 products
-with AMX run 16 rows at a time, shared/model/parallel.py: at batch 8 35-39 ms up to 16 rows, 59-67 ms from 18), and the
-policy sees where a step ends only where it measured. It takes 4-6 seconds for the default target at
+the median of the repetitions goes to the policy. The totals lie half a batch apart (every row up to batch 2):
+the scoring time can rise in steps of a block of rows (bf16 products with AMX run 16 rows at a time,
+shared/model/parallel.py: at batch 8 35-39 ms up to 16 rows, 59-67 ms from 18), and the policy sees where a step
+ends only where it measured. It takes 4-6 seconds for the default target at
 max_num_seqs 8 on two CPU cores (32 shapes; 16 before, when it measured 0, 1, 2 and 4 drafts a sequence), on
 blocks borrowed from the free KV cache and returned at once.
 """
