@@ -81,6 +81,17 @@ class Draft:
         """The longest path, in tokens (a chain's length)."""
         return max(tree_depths(self.parents), default=0) if self.parents is not None else len(self.token_ids)
 
+    def best_guess_verdict(self, accepted: list[int]) -> tuple[int, int]:
+        """(drafted, accepted) as the chain of the drafter's best guesses would have had them, given the drafts
+        verification accepted: a tree's best-guess path (`best_guess_path`), a chain itself. Among a node's children
+        only one can hold the accepted token, so the path is accepted as far as its tokens agree."""
+        path = best_guess_path(self.parents) if self.parents is not None else range(len(self.token_ids))
+        guesses = [self.token_ids[i] for i in path]
+        agreed = 0
+        while agreed < min(len(guesses), len(accepted)) and guesses[agreed] == accepted[agreed]:
+            agreed += 1
+        return len(guesses), agreed
+
 
 def tree_depths(parents: list[int]) -> list[int]:
     """Each node's depth (1 for a child of the root); parents must be topological (parents[i] < i)."""
@@ -96,6 +107,17 @@ def tree_children(parents: list[int]) -> list[list[int]]:
     for node, parent in enumerate(parents):
         children[parent + 1].append(node)
     return children
+
+
+def best_guess_path(parents: list[int]) -> list[int]:
+    """The nodes on the path that takes each node's first child, root first: the drafter's best guess at each depth,
+    the chain it would have drafted (every tree builder here lists a node's children best first)."""
+    children = tree_children(parents)
+    path, node = [], -1
+    while children[node + 1]:
+        node = children[node + 1][0]
+        path.append(node)
+    return path
 
 
 class Drafter(Protocol):

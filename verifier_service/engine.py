@@ -622,7 +622,7 @@ class Engine:
         num_accepted = len(tokens) - 1
         # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
         seq.num_computed += s.num_feed + num_accepted
-        self._update_stats(seq, draft, num_accepted, len(tokens))
+        self._update_stats(seq, draft, tokens, s.k)
         new_tokens = []
         for token in tokens:
             seq.tokens.append(token)
@@ -643,16 +643,20 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(self, seq: Sequence, draft: Draft | None, num_accepted: int, num_emitted: int) -> None:
+    def _update_stats(self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int) -> None:
+        """`tokens`: the accepted drafts, then the target's own token; `depth`: the draft depth asked for (a tree that
+        stopped short of it, all accepted, fell short of what a tree that deep is expected to accept)."""
+        num_accepted = len(tokens) - 1
         self.stats.sequence_steps += 1
-        self.stats.emitted_tokens += num_emitted
+        self.stats.emitted_tokens += len(tokens)
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
+            best_drafted, best_accepted = draft.best_guess_verdict(tokens[:num_accepted])
             if draft.is_tree:
-                seq.acceptance.update_tree(num_accepted)
+                seq.acceptance.update_tree(max(depth, draft.depth()), num_accepted, best_drafted, best_accepted)
             else:
-                seq.acceptance.update(k, num_accepted)
-                self.scheduler.policy.record_acceptance(seq.params.is_greedy, k, num_accepted)
+                seq.acceptance.update(best_drafted, best_accepted)
+            self.scheduler.policy.record_acceptance(seq.params.is_greedy, best_drafted, best_accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

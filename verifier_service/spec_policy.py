@@ -3,7 +3,8 @@
 A step's throughput is its emitted tokens over its time, and the policy maximises it for the whole batch:
 
     tokens = sum_s (1 + gain_s)            gain_s: expected accepted drafts of sequence s (a chain of k at
-                                            per-position acceptance a: a + a^2 + ... + a^k; a tree: measured)
+                                            per-position acceptance a: a + a^2 + ... + a^k; a tree: the same at
+                                            the acceptance its kind's trees showed: `TreeMisses`)
     time   = scoring(B, B + sum_s n_s)      the target's step, n_s draft tokens (a tree's nodes) scored for s
            + propose(B, D) if D > 0         the proposer call as the verifier waits for it, D = max_s k_s
            + rest(B, D)                     the rest of the step (commit, early ask, streaming, the
@@ -43,7 +44,8 @@ kept at k = 0 learns nothing about its acceptance, and a plan kept at one size m
 the probes that keep both learning. A sequence's first tested positions move its estimate as a running mean would
 (the prior counts as two), later ones as an average over about twenty. The prior is what recent sequences of the
 same kind (greedy or sampled) achieved, once they tested enough positions (`SpecPolicy.new_estimate`), else an
-agnostic 0.5: a request arriving where drafts are mostly rejected does not probe as if half were accepted.
+agnostic 0.5: a request arriving where drafts are mostly rejected does not probe as if half were accepted. A
+tree's verdict counts for alpha as its best-guess path's (the chain the drafter would have sent) does.
 """
 
 from __future__ import annotations
@@ -108,20 +110,82 @@ CATCH_UP_WINDOW = 16
 # 48 tokens plainly, where a chain of one token ran 20% faster than plain once caught up.
 CATCH_UP_STEPS = 4
 
+# Trees (`TreeMisses`): a tree's other guesses rescue some of the positions where the drafter's best guess, a
+# chain's token, is rejected. With the committed EAGLE head (`specdec_train.evaluate`, 54 held-out prompts) a
+# chain of 4 accepts 0.50 / 0.24 / 0.12 / 0.06 greedy and trees of at most 10 nodes 0.68 / 0.40 / 0.19 / 0.08:
+# 0.83 of the chain's rejections, at T = 0.8 about 0.85. The prior is a little better than that (trees are tried,
+# then judged): the trees' and their best-guess paths' rejection rates start from TREE_PRIOR_SHARE times
+# TREE_PRIOR_REJECTION and from TREE_PRIOR_REJECTION, each worth TREE_PRIOR_POSITIONS tested positions; the sums
+# decay by TREE_WEIGHT a tree.
+TREE_PRIOR_SHARE = 0.8
+TREE_PRIOR_REJECTION = 0.5
+TREE_PRIOR_POSITIONS = 4.0
+TREE_WEIGHT = 0.02
+MIN_TREES = 8
+# A kind of sequence whose trees were passed over for this many of its chains drafts one, where that makes the
+# step at most TREE_EXPLORE_LOSS longer: at most a third of a percent of the time, and an estimate that came out
+# poor by chance, or a drafter whose trees got better, is noticed.
+TREE_EXPLORE_EVERY = 32
+TREE_EXPLORE_LOSS = 0.1
+
 log = logging.getLogger("specdec.policy")
 
 
 @dataclass
+class TreeMisses:
+    """The share of a chain's rejections that the drafter's trees still reject, over recent trees of one kind of
+    sequence (greedy or sampled): a tree's other guesses rescue the rest. A property of the drafter more than of a
+    sequence's text, so it is learned across sequences, and a sequence's own text enters through its chain
+    acceptance: a tree's per-position acceptance is 1 - share * (1 - alpha). One estimate per sequence, learned
+    from its trees alone, was set by its first tree: one that accepted nothing made a chain look better for the
+    rest of the request, and no tree was drafted again to correct it (through the gateway at one client, fp32
+    target, the policy drafted 1 tree in 205 plans while a tree every step ran 7-11% faster).
+
+    Each tree holds its own chain: the best-guess path (`Draft.best_guess_verdict`), tested on the same text up to
+    its first rejection. The share is the trees' rejections per tested position over their best-guess paths', as
+    ratios of sums decayed by TREE_WEIGHT a tree (about the last fifty count), each rate starting from its prior
+    worth TREE_PRIOR_POSITIONS positions. Judged against the sequences' alpha instead, the first trees of sampled
+    requests met the agnostic prior of 0.5 where their chains accepted 0.35-0.4, and a share of 1.27 after eight
+    trees kept every later request on chains. Until MIN_TREES trees were verified the share is never worse than
+    the prior, so that trees are tried before they are judged; and `SpecPolicy` still drafts one now and then where
+    it is expected to cost little (TREE_EXPLORE_EVERY), so that an estimate that came out poor by chance is
+    corrected."""
+
+    tree_tested: float = 0.0  # decayed sums over the trees: positions tested and rejections met
+    tree_rejected: float = 0.0
+    best_tested: float = 0.0  # the same over their best-guess paths
+    best_rejected: float = 0.0
+    trees: int = 0
+    passed_over: int = 0  # plans since a tree of this kind was verified where a sequence of it drafted a chain
+
+    def update(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int) -> None:
+        keep = 1.0 - TREE_WEIGHT
+        self.tree_tested = keep * self.tree_tested + min(depth, num_accepted + 1)
+        self.tree_rejected = keep * self.tree_rejected + (num_accepted < depth)
+        self.best_tested = keep * self.best_tested + min(best_drafted, best_accepted + 1)
+        self.best_rejected = keep * self.best_rejected + (best_accepted < best_drafted)
+        self.trees += 1
+        self.passed_over = 0
+
+    @property
+    def share(self) -> float:
+        prior = TREE_PRIOR_POSITIONS
+        tree_rate = (self.tree_rejected + TREE_PRIOR_SHARE * TREE_PRIOR_REJECTION * prior) / (self.tree_tested + prior)
+        best_rate = (self.best_rejected + TREE_PRIOR_REJECTION * prior) / (self.best_tested + prior)
+        measured = tree_rate / best_rate
+        return min(measured, TREE_PRIOR_SHARE) if self.trees < MIN_TREES else measured
+
+
+@dataclass
 class AcceptanceEstimate:
-    """Exponential moving averages of one sequence's acceptance: per chain position (`alpha`) and the accepted
-    path length of its trees (`tree_gain`, None until it drafted one)."""
+    """An exponential moving average of one sequence's acceptance per chain position (`alpha`), and its kind's
+    `TreeMisses`, for what a tree of the same depth would accept."""
 
     alpha: float = 0.5  # an agnostic prior: try drafting, then learn
     weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
-    tree_gain: float | None = None
     tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
-    trees: int = 0  # trees verified: the first ones count as a running mean (the guess is worth none)
     probed_at: int = -1  # the policy's probe count when a probe last drafted for this sequence (-1: never)
+    tree_misses: TreeMisses = field(default_factory=TreeMisses)  # shared by the sequences of a kind
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
@@ -135,22 +199,24 @@ class AcceptanceEstimate:
     def _weight(self) -> float:
         return max(self.weight, 1.0 / (self.tested + 2))
 
-    def update_tree(self, num_accepted: int) -> None:
-        # A running mean until the moving average's window fills: else the first tree, often the first step
-        # after the prompt, would be most of the estimate for the sequence's next twenty steps.
-        self.trees += 1
-        gain = self.tree_gain if self.tree_gain is not None else 0.0
-        self.tree_gain = gain + max(self.weight, 1.0 / self.trees) * (num_accepted - gain)
+    def update_tree(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int) -> None:
+        """A tree `depth` deep accepted `num_accepted` drafts; its best-guess path (`best_guess_path`), the chain the
+        drafter would have sent, was `best_drafted` long and had its first `best_accepted` accepted: a chain's
+        verdict for alpha, so that a sequence drafting trees still follows its text."""
+        self.tree_misses.update(depth, num_accepted, best_drafted, best_accepted)
+        self.update(best_drafted, best_accepted)
 
     def chain_gain(self, k: int) -> float:
         """Expected accepted drafts of a chain of k: a + a^2 + ... + a^k."""
-        alpha = self.alpha
-        return alpha * (1 - alpha**k) / (1 - alpha) if alpha != 1.0 else float(k)
+        return _geometric(self.alpha, k)
 
     def expected_tree_gain(self, depth: int) -> float:
-        """The tree's measured gain, or until it drafted one an optimistic guess (a quarter above the chain of the
-        same depth), so that a tree is tried and then judged by what it did."""
-        return self.tree_gain if self.tree_gain is not None else 1.25 * self.chain_gain(depth)
+        """A tree's expected accepted drafts: a chain's of the same depth at the tree's per-position acceptance."""
+        return _geometric(min(1.0, max(0.0, 1.0 - self.tree_misses.share * (1.0 - self.alpha))), depth)
+
+
+def _geometric(alpha: float, k: int) -> float:
+    return alpha * (1 - alpha**k) / (1 - alpha) if alpha != 1.0 else float(k)
 
 
 class StepTimes:
@@ -285,12 +351,26 @@ class StepTimes:
         return base * scale, slope
 
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
-        live = {size: self._median(t) for size, t in self.samples.get(batch, {}).items() if t}
+        """Per size, its live median, or its warm-up time at the live level (the median ratio of live to warm-up
+        times, over the sizes measured within FRESH_S where any was); a size not measured within FRESH_S is the
+        cheaper of the two. At one client (fp32 target) the first trees, 9 rows, took 30-35 ms against 24-26 later:
+        those times were all the policy knew of 9 rows, a tree step looked 45 ms against a chain's 30, and none
+        was drafted again to correct it; a guess on the cheap side is tried, measured and corrected."""
+        sizes = self.samples.get(batch, {})
+        live = {size: self._median(t) for size, t in sizes.items() if t}
+        since = self.clock() - FRESH_S
+        fresh = {size for size in live if sizes[size][-1][0] >= since}
         warm_up = self.calibrated.get(batch, {})
-        ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in live]
+        ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in fresh] or [
+            live[size][0] / seconds for size, seconds in warm_up.items() if size in live
+        ]
         scale = statistics.median(ratios) if ratios else 1.0
         points = [(size, seconds * scale, 1) for size, seconds in warm_up.items() if size not in live]
-        return [(size, median, n) for size, (median, n) in live.items()] + points
+        for size, (median, n) in live.items():
+            if size not in fresh and size in warm_up:
+                median = min(median, warm_up[size] * scale)
+            points.append((size, median, n))
+        return points
 
 
 def _shape(plans: list[Plan]) -> tuple[int, int, int, bool]:
@@ -417,6 +497,7 @@ class SpecPolicy:
     probed: bool = False  # the last plan was a probe of drafting while plain decoding is best
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
     population: dict[bool, AcceptanceEstimate] = field(default_factory=dict)
+    tree_misses: dict[bool, TreeMisses] = field(default_factory=dict)  # likewise: what trees add to chains
     outcomes: Outcomes = field(default_factory=Outcomes)
     _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
     _last_probe_loss: float = 0.0
@@ -427,14 +508,17 @@ class SpecPolicy:
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
-        differ most: a sampled token matches the target's less often), else the agnostic prior."""
+        differ most: a sampled token matches the target's less often), else the agnostic prior; its trees are
+        judged with its kind's."""
         seen = self.population.get(greedy)
+        trees = self.tree_misses.setdefault(greedy, TreeMisses())
         if seen is None or seen.tested < MIN_POPULATION_POSITIONS:
-            return AcceptanceEstimate()
-        return AcceptanceEstimate(alpha=seen.alpha)
+            return AcceptanceEstimate(tree_misses=trees)
+        return AcceptanceEstimate(alpha=seen.alpha, tree_misses=trees)
 
     def record_acceptance(self, greedy: bool, num_drafted: int, num_accepted: int) -> None:
-        """A chain's verdict, for the population's estimate (a sequence's own is updated by the engine)."""
+        """A chain's verdict (or a tree's best-guess path's), for the population's estimate (a sequence's own is
+        updated by the engine)."""
         estimate = self.population.setdefault(greedy, AcceptanceEstimate(weight=POPULATION_WEIGHT))
         estimate.update(num_drafted, num_accepted)
 
@@ -460,7 +544,7 @@ class SpecPolicy:
             self.probed = False
             return plain
         self._lags = lags if lags and any(lags) else None
-        key = tuple((id(acc), acc.alpha, acc.tree_gain, k_max) for acc, k_max in seqs)
+        key = tuple((id(acc), acc.alpha, acc.tree_misses.share, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
         if memo is not None and memo.key == key and memo.steps_left > 0 and not due:
@@ -488,7 +572,7 @@ class SpecPolicy:
         if drafting is None and any(k_max for _, k_max in seqs):  # the probe that costs least: probed most often
             drafting = min(unfair, key=lambda plans: self._probe_loss(self._lifted(plans, seqs), seqs, plain_rate))
             drafting_rate = self._rate(drafting, seqs)
-        chosen = self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary)
+        chosen = self._explore_trees(self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary), seqs)
         clearly = drafting is not None and drafting_rate < plain_rate * (1 - PLAIN_MARGIN)
         if chosen is plain and clearly and self.scoring.measured(batch, batch):  # not on a guessed plain time
             self._plain_memo = PlainMemo(key, self._last_probe_loss, REPLAN_EVERY - 1)
@@ -526,6 +610,26 @@ class SpecPolicy:
             self._plain_timed_at[batch] = now
             return plain
         return self._vary(drafting, seqs) if vary else drafting
+
+    def _explore_trees(self, chosen: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
+        """The plan, or where a sequence drafts a chain whose kind's trees were passed over TREE_EXPLORE_EVERY times,
+        that sequence's tree instead, if its step is expected to take at most TREE_EXPLORE_LOSS longer: a tree holds
+        the chain of its best guesses and accepts at least what that accepts, so the time is all it can lose."""
+        nodes = self.max_tree_nodes
+        if not nodes:
+            return chosen
+        for i, (p, (acc, k_max)) in enumerate(zip(chosen, seqs, strict=True)):
+            if p.tree_nodes or not p.k or not 1 <= k_max < nodes:
+                continue
+            misses = acc.tree_misses
+            misses.passed_over += 1
+            if misses.passed_over < TREE_EXPLORE_EVERY:
+                continue
+            explored = [*chosen[:i], Plan(k_max, nodes), *chosen[i + 1 :]]
+            if self._time(explored) <= (1 + TREE_EXPLORE_LOSS) * self._time(chosen):
+                misses.passed_over = 0
+                return explored
+        return chosen
 
     @staticmethod
     def _lifted(plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
@@ -601,17 +705,23 @@ class SpecPolicy:
         batch = len(seqs)
         depth = max((p.k for p in chosen), default=0) or 1
         calls = self.propose_tree if any(p.tree_nodes for p in chosen) else self.propose_chain
+        trees = [Plan(k_max, self.max_tree_nodes) if k_max else Plan(0) for _, k_max in seqs]
+        parts = self._measured_parts(*_shape(trees))
         log.debug(
-            "plan batch=%d alpha=%s tree gain=%s chosen=%s probe=%s rate plain/drafting=%.1f/%.1f tok/s "
+            "plan batch=%d alpha=%s tree gain=%s (misses %s) chosen=%s probe=%s rate plain/drafting=%.1f/%.1f tok/s "
             "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms "
-            "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx",
+            "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx step chosen/trees=%s/%s ms "
+            "(trees: scoring/propose/rest=%s)",
             batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]],
             [round(acc.expected_tree_gain(k_max), 2) for acc, k_max in seqs[:8]] if self.max_tree_nodes else "-",
+            [(round(acc.tree_misses.share, 2), acc.tree_misses.trees) for acc, _ in seqs[:8]],
             [(p.k, p.tree_nodes) for p in chosen[:8]],
             self.probed, plain_rate, drafting_rate, 1e3 * (self.scoring.estimate(batch, batch) or 0.0),
             1e3 * self.scoring.slope(batch), depth, _ms(calls.estimate(batch, depth)), depth,
             _ms(self._rest(batch, 0)), _ms(self._rest(batch, depth)),
             *(self.outcomes.slowdown(batch, kind) for kind in (PLAIN, DRAFTING, PROBE)),
+            _ms(self._time(chosen)), _ms(self._time(trees)) if self.max_tree_nodes else "-",
+            "/".join(_ms(t) for t in (parts.scoring, parts.propose, parts.rest)) if self.max_tree_nodes else "-",
         )  # fmt: skip
 
     def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
@@ -709,7 +819,7 @@ class SpecPolicy:
 
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
-        is drafted at the sequence's full depth only (its gain is measured there)."""
+        is drafted at the sequence's full depth only."""
         k, alpha = 0, acc.alpha
         while k < depth and alpha ** (k + 1) >= token_price:
             k += 1

@@ -11,6 +11,7 @@ import statistics
 
 import pytest
 
+from shared.drafting import Draft, best_guess_path
 from verifier_service import spec_policy
 from verifier_service.spec_policy import (
     DRAFTING,
@@ -22,6 +23,7 @@ from verifier_service.spec_policy import (
     SpecPolicy,
     StepCost,
     StepTimes,
+    TreeMisses,
 )
 
 
@@ -35,25 +37,66 @@ def test_acceptance_estimate_uses_only_tested_positions():
     assert AcceptanceEstimate(alpha=0.5).chain_gain(3) == pytest.approx(0.5 + 0.25 + 0.125)
 
 
-def test_tree_gain_is_optimistic_until_measured():
-    est = AcceptanceEstimate(alpha=0.5, weight=0.5)
-    assert est.expected_tree_gain(2) == pytest.approx(1.25 * 0.75)
-    est.update_tree(0)
-    assert est.expected_tree_gain(2) == 0.0  # measured: nothing accepted
-    est.update_tree(2)
-    assert est.tree_gain == pytest.approx(1.0)
+def test_a_tree_accepts_as_a_chain_at_the_acceptance_its_kinds_trees_showed():
+    est = AcceptanceEstimate(alpha=0.5)
+    # Untried: the prior, a fifth of the chain's rejections rescued
+    assert est.expected_tree_gain(2) == pytest.approx(0.6 + 0.6**2)
+    assert AcceptanceEstimate(alpha=1.0).expected_tree_gain(4) == 4.0
+    for _ in range(40):  # every best guess rejected at once, another child accepted each time, the tree whole
+        est.update_tree(depth=4, num_accepted=4, best_drafted=4, best_accepted=0)
+    assert est.tree_misses.share < 0.1
+    assert est.alpha < 0.1 and est.expected_tree_gain(4) > 3.0 > est.chain_gain(4) * 10
+    for _ in range(300):  # trees that accept no more than their best guesses
+        est.update_tree(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
+    assert est.tree_misses.share == pytest.approx(1.0, abs=0.03)
+    assert est.expected_tree_gain(4) == pytest.approx(est.chain_gain(4), rel=0.05)
 
 
-def test_tree_gain_is_a_running_mean_until_its_window_fills():
-    est = AcceptanceEstimate(weight=0.05)
-    for accepted in (4, 1, 1, 1):  # a lucky first tree is one sample of four, not most of the estimate
-        est.update_tree(accepted)
-    assert est.tree_gain == pytest.approx(7 / 4)
-    for _ in range(40):
-        est.update_tree(1)
-    settled = est.tree_gain
-    est.update_tree(5)  # then each new tree moves it by the moving average's weight
-    assert est.tree_gain == pytest.approx(settled + 0.05 * (5 - settled))
+def test_trees_are_judged_against_their_own_best_guesses_not_the_sequence_s_alpha():
+    misses = TreeMisses()
+    for i in range(1000):  # best guesses rejected at 6 positions in 10, the trees at 3 in 10
+        misses.update(depth=1, num_accepted=int(i % 10 >= 3), best_drafted=1, best_accepted=int(i % 10 >= 6))
+    assert misses.share == pytest.approx(0.5, abs=0.03)
+    assert AcceptanceEstimate(alpha=0.4, tree_misses=misses).expected_tree_gain(1) == pytest.approx(0.7, abs=0.02)
+
+
+def test_trees_are_tried_before_they_are_judged():
+    misses = TreeMisses()
+    for _ in range(spec_policy.MIN_TREES - 1):
+        misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)  # a best path 2 long, all a tree got
+    assert misses.share == spec_policy.TREE_PRIOR_SHARE
+    misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)
+    assert misses.share > 1.0  # judged now: a rejection in 3 positions, against none in 2 for the best guesses
+
+
+def test_tree_misses_count_tested_positions_and_decay():
+    misses = TreeMisses()
+    misses.update(depth=4, num_accepted=4, best_drafted=4, best_accepted=2)  # tree: 4 tested; best: 3, 1 rejected
+    misses.update(depth=4, num_accepted=1, best_drafted=3, best_accepted=1)  # tree: 2, 1 rejected; best: 2, 1
+    keep = 1 - spec_policy.TREE_WEIGHT
+    assert (misses.tree_tested, misses.tree_rejected) == (pytest.approx(keep * 4 + 2), 1.0)
+    assert (misses.best_tested, misses.best_rejected) == (pytest.approx(keep * 3 + 2), pytest.approx(keep + 1))
+
+
+def test_a_sequence_drafting_trees_follows_its_text_through_their_best_guesses():
+    shared = TreeMisses()
+    one, other = AcceptanceEstimate(alpha=0.5, tree_misses=shared), AcceptanceEstimate(alpha=0.5, tree_misses=shared)
+    for _ in range(20):
+        one.update_tree(depth=4, num_accepted=4, best_drafted=4, best_accepted=4)
+    assert one.alpha > 0.9  # its best guesses were all accepted
+    assert other.alpha == 0.5 and other.tree_misses.trees == 20  # the other learned what trees add, not the text
+
+
+def test_the_best_guess_path_follows_first_children():
+    #  root -> 0 (a) -> 2 (c) -> 4 (e)
+    #       -> 1 (b)    3 (d)
+    draft = Draft("s", 10, [11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2])
+    assert best_guess_path(draft.parents) == [0, 2, 4]
+    assert draft.best_guess_verdict([11, 13, 15]) == (3, 3)
+    assert draft.best_guess_verdict([11, 14]) == (3, 1)  # the second child at depth 2 was accepted
+    assert draft.best_guess_verdict([12]) == (3, 0)
+    assert draft.best_guess_verdict([]) == (3, 0)
+    assert Draft("s", 10, [7, 8, 9]).best_guess_verdict([7, 8]) == (3, 2)  # a chain is its own best guess
 
 
 def test_step_times_fit_a_line_through_medians_and_borrow_a_slope():
@@ -96,6 +139,27 @@ def test_a_warm_up_timed_on_a_busy_machine_is_scaled_to_the_live_times():
     for _ in range(4):
         times.add(1, 5, 0.060)  # measured live now: the live time wins over the scaled warm-up
     assert times.estimate(1, 5) == pytest.approx(0.060, rel=0.05)
+
+
+def test_a_size_not_timed_lately_is_at_most_its_warm_up_shape_at_the_live_level():
+    """The first trees ran slow (a busy moment): 9 rows stay at that time only while it is fresh, then at most the
+    warm-up's shape at today's level, so that a tree is tried again and its time corrected."""
+    now = [0.0]
+    times = StepTimes(stepwise=True, clock=lambda: now[0])
+    for q in (1, 5, 9):
+        times.calibrate(1, q, 0.020 + 0.0005 * q)  # a quiet warm-up: 9 rows 2 ms dearer than 5
+    for _ in range(3):
+        times.add(1, 9, 0.035)  # the first trees
+        times.add(1, 1, 0.021)
+    assert times.estimate(1, 9) == pytest.approx(0.035)  # fresh: what it took
+    now[0] += 2 * spec_policy.FRESH_S
+    for _ in range(3):
+        times.add(1, 1, 0.0205)
+        times.add(1, 5, 0.0225)  # chains and plain steps, timed since
+    assert times.estimate(1, 9) == pytest.approx(0.0245)  # live at the warm-up's level: its 9 rows as they were
+    for _ in range(3):
+        times.add(1, 9, 0.030)  # a tree timed again: its own time, fresh
+    assert times.estimate(1, 9) == pytest.approx(0.030)
 
 
 # ---- a simulated engine ----------------------------------------------------------------------------
@@ -758,12 +822,35 @@ def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
     for tree in (False, True):
         for depth, seconds in ((1, 0.004), (4, 0.010)):
             policy.record_propose(1, depth, tree, seconds)
-    acc = AcceptanceEstimate(alpha=0.8, tested=1000)
-    assert policy.plan([(acc, 4)]) == [Plan(4, 8)]  # untried: optimistic
-    acc.tree_gain = 0.4  # measured: worse than a chain of the same depth
+    acc = AcceptanceEstimate(alpha=0.5, tested=1000)
+    assert policy.plan([(acc, 4)]) == [Plan(4, 8)]  # untried: the prior
+    for _ in range(spec_policy.MIN_TREES):  # measured: no better than their best guesses
+        acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
     assert policy.plan([(acc, 4)])[0].tree_nodes == 0
-    acc.tree_gain = 3.0
+    for _ in range(200):  # then trees that are accepted whole where their best guesses were not
+        acc.tree_misses.update(depth=4, num_accepted=4, best_drafted=4, best_accepted=1)
     assert policy.plan([(acc, 4)]) == [Plan(4, 8)]
+
+
+def test_trees_judged_poor_are_still_drafted_now_and_then_where_that_costs_little():
+    def policy_at(tree_scoring: float) -> SpecPolicy:
+        policy = SpecPolicy(max_tree_nodes=8)
+        for batch_query, seconds in ((1, 0.041), (5, 0.043), (9, tree_scoring)):
+            policy.record_step(1, batch_query, seconds)
+        for tree in (False, True):
+            for depth, seconds in ((1, 0.004), (4, 0.010)):
+                policy.record_propose(1, depth, tree, seconds)
+        return policy
+
+    def trees_in(policy: SpecPolicy, plans: int) -> list[int]:
+        acc = AcceptanceEstimate(alpha=0.5, tested=1000)
+        for _ in range(spec_policy.MIN_TREES):  # judged poor: a rejection in 3 positions against none in 2
+            acc.tree_misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)
+        return [i for i in range(plans) if policy.plan([(acc, 4)])[0].tree_nodes]
+
+    every = spec_policy.TREE_EXPLORE_EVERY
+    assert trees_in(policy_at(0.045), 3 * every) == [every - 1, 2 * every - 1, 3 * every - 1]
+    assert trees_in(policy_at(0.080), 3 * every) == []  # a tree would make the step 50% longer
 
 
 # ---- a new sequence's prior ------------------------------------------------------------------------

@@ -145,6 +145,39 @@ def test_trees_are_really_trees(target, weak_draft):
     assert max(len(p) for p in shapes) == 8  # as big as the engine allowed (the last steps allow less)
 
 
+class SecondGuessRight:
+    """A tree of two guesses under the root: a wrong best guess first, the target's next token second."""
+
+    def __init__(self, target_hf) -> None:
+        self.history = RandomTrees(target_hf)
+
+    def propose(self, requests: list[DraftRequest]) -> list[Draft]:
+        drafts = []
+        for r, d in zip(requests, self.history.propose(requests), strict=True):
+            guess = hf_greedy(self.history.target_hf, self.history.history[r.seq_id], 1, eos=False)[0]
+            tokens = [(guess + 1) % VOCAB, guess]
+            drafts.append(Draft(d.seq_id, d.committed_len, tokens, parents=[-1, -1]))
+        return drafts
+
+    def release(self, seq_ids: list[str]) -> None:
+        self.history.release(seq_ids)
+
+
+def test_a_tree_s_verdict_teaches_the_policy_its_best_guesses_and_what_the_tree_added(target_hf, target):
+    engine = engine_with(target, SecondGuessRight(target_hf), k=3, nodes=8, max_num_seqs=2)
+    ps = prompts(2, seed=5)
+    outs = run(engine, ps, SamplingParams(max_tokens=12, ignore_eos=True))
+    for i, p in enumerate(ps):
+        assert outs[f"r{i}"] == hf_greedy(target_hf, p, 12, eos=False)
+    misses = engine.scheduler.policy.tree_misses[True]
+    assert misses.trees == engine.stats.draft_rounds > 0
+    # Every best guess rejected at once; every tree accepted its second guess, then met its end 1 of 3 deep
+    assert misses.best_rejected == pytest.approx(misses.best_tested)
+    assert misses.tree_tested == pytest.approx(2 * misses.tree_rejected)
+    assert misses.share < 0.6
+    assert engine.scheduler.policy.population[True].alpha < 0.1  # the chains' estimate: best guesses fail
+
+
 # ---- the sampled law ----------------------------------------------------------------------------
 
 TEMPERATURE = 1.5
