@@ -8,8 +8,9 @@ the median of the repetitions goes to the policy. The totals lie half a batch ap
 the scoring time can rise in steps of a block of rows (bf16 products with AMX run 16 rows at a time,
 shared/model/parallel.py: at batch 8 35-39 ms up to 16 rows, 59-67 ms from 18), and the policy sees where a step
 ends only where it measured. It takes 4-6 seconds for the default target at
-max_num_seqs 8 on two CPU cores (32 shapes; 16 before, when it measured 0, 1, 2 and 4 drafts a sequence), on
-blocks borrowed from the free KV cache and returned at once.
+max_num_seqs 8 on two CPU cores (32 shapes; 16 before, when it measured 0, 1, 2 and 4 drafts a sequence), about
+half a second more where trees of up to 8 nodes may be drafted (the verifier's warm-up 6.6 s against 6.1, fp32,
+2026-12-06), on blocks borrowed from the free KV cache and returned at once.
 """
 
 from __future__ import annotations

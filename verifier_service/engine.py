@@ -651,12 +651,13 @@ class Engine:
         self.stats.emitted_tokens += len(tokens)
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
-            best_drafted, best_accepted = draft.best_guess_verdict(tokens[:num_accepted])
-            if draft.is_tree:
-                seq.acceptance.update_tree(max(depth, draft.depth()), num_accepted, best_drafted, best_accepted)
+            if draft.is_tree:  # a chain's verdict for alpha: the tree's best-guess path's
+                drafted, accepted = draft.best_guess_verdict(tokens[:num_accepted])
+                seq.acceptance.update_tree(max(depth, draft.depth()), num_accepted, drafted, accepted)
             else:
-                seq.acceptance.update(best_drafted, best_accepted)
-            self.scheduler.policy.record_acceptance(seq.params.is_greedy, best_drafted, best_accepted)
+                drafted, accepted = k, num_accepted
+                seq.acceptance.update(drafted, accepted)
+            self.scheduler.policy.record_acceptance(seq.params.is_greedy, drafted, accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
             self.stats.accepted_tokens += num_accepted

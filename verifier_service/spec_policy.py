@@ -356,15 +356,14 @@ class StepTimes:
         cheaper of the two. At one client (fp32 target) the first trees, 9 rows, took 30-35 ms against 24-26 later:
         those times were all the policy knew of 9 rows, a tree step looked 45 ms against a chain's 30, and none
         was drafted again to correct it; a guess on the cheap side is tried, measured and corrected."""
-        sizes = self.samples.get(batch, {})
-        live = {size: self._median(t) for size, t in sizes.items() if t}
-        since = self.clock() - FRESH_S
-        fresh = {size for size in live if sizes[size][-1][0] >= since}
+        live = {size: self._median(t) for size, t in self.samples.get(batch, {}).items() if t}
+        fresh = {size for size in live if not self.stale(batch, size)}
         warm_up = self.calibrated.get(batch, {})
-        ratios = [live[size][0] / seconds for size, seconds in warm_up.items() if size in fresh] or [
-            live[size][0] / seconds for size, seconds in warm_up.items() if size in live
-        ]
-        scale = statistics.median(ratios) if ratios else 1.0
+
+        def ratios(sizes) -> list[float]:
+            return [live[size][0] / seconds for size, seconds in warm_up.items() if size in sizes]
+
+        scale = statistics.median(ratios(fresh) or ratios(live) or [1.0])
         points = [(size, seconds * scale, 1) for size, seconds in warm_up.items() if size not in live]
         for size, (median, n) in live.items():
             if size not in fresh and size in warm_up:
