@@ -146,6 +146,7 @@ class Scheduler:
                 [(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)],
                 vary,
                 [lag if lag > self.config.step_tokens else 0 for lag in lags],
+                [s.params.max_tokens - len(s.output_ids) for s in decoding],
             )
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 

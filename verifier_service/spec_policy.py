@@ -103,12 +103,14 @@ PLAIN_MARGIN = 0.05
 # clients (fp32 target, Zen 4 host) every call at batch 8 carried one (a prompt's 250-260 positions took 7-13 ms),
 # none was counted, and the plan expected no propose time at all: probes ran on a cost they did not have.
 CATCH_UP_WINDOW = 16
-# A drafting plan is charged its catch-up spread over this many steps: it is paid once, and a plan charged all of it
-# at once never drafted where the proposer lagged, while the lag grew with every plain step. Through the gateway
-# at one client (fp32 target, tests/e2e/test_eagle_e2e.py) a new request's prompt (43 positions at ~0.25 ms) made
-# its first drafting step look slower than plain decoding at the population's acceptance (0.36): it decoded all
-# 48 tokens plainly, where a chain of one token ran 20% faster than plain once caught up.
-CATCH_UP_STEPS = 4
+# A drafting plan is charged each sequence's catch-up spread over the steps that sequence may still run, at most
+# this many: a lag is paid once, by whichever step drafts first, and only grows while the sequence decodes plainly.
+# Charged over 4 steps, through the gateway at one client (fp32 target, tests/e2e/test_eagle_e2e.py), a new request's
+# prompt (43 positions at ~0.25 ms: 2.7 ms a step on a 29 ms plain step, against 4 ms for a chain of one) kept every
+# request whose prior (the population's acceptance) was at most about 0.25 plain for all its 48 tokens, as its lag
+# grew, though a chain of one paid above 0.14 once caught up. A request about to end (fewer steps left than this)
+# spreads it over its own: a lag is not worth paying for a token or two.
+CATCH_UP_HORIZON = 16
 
 # Trees (`TreeMisses`): a tree's other guesses rescue some of the positions where the drafter's best guess, a
 # chain's token, is rejected. With the committed EAGLE head (`specdec_train.evaluate`, 54 held-out prompts) a
@@ -350,14 +352,28 @@ class StepTimes:
         scale = batch / nearest if batch > nearest and self.scales_with_batch else 1.0
         return base * scale, slope
 
+    def _behind(self, batch: int) -> set[int]:
+        """The sizes timed live whose newest time is older than `window` times of other sizes at this batch size."""
+        sizes = {size: times for size, times in self.samples.get(batch, {}).items() if times}
+        whens = sorted(when for times in sizes.values() for when, _ in times)
+        return {
+            size
+            for size, times in sizes.items()
+            if len(whens) - bisect.bisect_right(whens, times[-1][0]) >= self.window
+        }
+
     def _points(self, batch: int) -> list[tuple[int, float, int]]:
         """Per size, its live median, or its warm-up time at the live level (the median ratio of live to warm-up
-        times, over the sizes measured within FRESH_S where any was); a size not measured within FRESH_S is the
-        cheaper of the two. At one client (fp32 target) the first trees, 9 rows, took 30-35 ms against 24-26 later:
-        those times were all the policy knew of 9 rows, a tree step looked 45 ms against a chain's 30, and none
-        was drafted again to correct it; a guess on the cheap side is tried, measured and corrected."""
+        times, over the sizes measured lately where any was); a size not measured lately (not within FRESH_S, or
+        not in the last `window` times of the batch size) is the cheaper of the two. At one client (fp32 target)
+        the first trees, 9 rows, took 30-35 ms against 24-26 later: those times were all the policy knew of 9 rows,
+        a tree step looked 45 ms against a chain's 30, and none was drafted again to correct it; a guess on the
+        cheap side is tried, measured and corrected. Within FRESH_S too: through the gateway at one client a slow
+        half-second put 9 rows at 35.7 ms, the chains drafted since ran back at the old level (scoring 1 token in
+        23 ms again, against 21-27), and no tree was drafted for the rest of the 4-second run."""
         live = {size: self._median(t) for size, t in self.samples.get(batch, {}).items() if t}
-        fresh = {size for size in live if not self.stale(batch, size)}
+        behind = self._behind(batch)
+        fresh = {size for size in live if not self.stale(batch, size) and size not in behind}
         warm_up = self.calibrated.get(batch, {})
 
         def ratios(sizes) -> list[float]:
@@ -504,6 +520,7 @@ class SpecPolicy:
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=CATCH_UP_WINDOW))
     _per_position: float = 0.0  # their median (0 until one was measured)
     _lags: list[int] | None = None  # this plan's: per sequence, the positions its next call would catch up
+    _spreads: list[int] | None = None  # this plan's: per sequence, the steps its catch-up is spread over
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
@@ -522,10 +539,15 @@ class SpecPolicy:
         estimate.update(num_drafted, num_accepted)
 
     def plan(
-        self, seqs: list[tuple[AcceptanceEstimate, int]], vary: bool = False, lags: list[int] | None = None
+        self,
+        seqs: list[tuple[AcceptanceEstimate, int]],
+        vary: bool = False,
+        lags: list[int] | None = None,
+        horizons: list[int] | None = None,
     ) -> list[Plan]:
         """Per sequence (its acceptance, its largest allowed k): the batch's best plan. `lags`: per sequence, the
-        positions its propose call would have to catch up (0 where it would carry no more than a step's tokens).
+        positions its propose call would have to catch up (0 where it would carry no more than a step's tokens);
+        `horizons`: per sequence, the tokens it may still emit (None: at least CATCH_UP_HORIZON each).
 
         A drafting plan is a candidate only if it slows no sequence that may draft below FAIR_SHARE of its plain
         rate; a sequence it would slow is first given a chain as deep as the plan allows. While plain decoding is
@@ -543,6 +565,7 @@ class SpecPolicy:
             self.probed = False
             return plain
         self._lags = lags if lags and any(lags) else None
+        self._spreads = [max(1, min(h, CATCH_UP_HORIZON)) for h in horizons] if horizons else None
         key = tuple((id(acc), acc.alpha, acc.tree_misses.share, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
@@ -846,13 +869,17 @@ class SpecPolicy:
 
     def _catch_up_of(self, plans: list[Plan], kind: str | None = None) -> float:
         """What the plan's propose call is expected to take beyond its call: every drafting sequence's lag, in
-        full for a probe (what running it once costs), else spread over CATCH_UP_STEPS steps: a lag is paid once,
-        by whichever step drafts first, and only grows while the sequence decodes plainly."""
+        full for a probe (what running it once costs), else spread over the steps it may still run (at most
+        CATCH_UP_HORIZON): a lag is paid once, by whichever step drafts first, and only grows while the sequence
+        decodes plainly."""
         lags = self._lags
         if lags is None or not self._per_position:
             return 0.0
-        seconds = self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
-        return seconds if kind == PROBE else seconds / CATCH_UP_STEPS
+        if kind == PROBE:
+            return self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
+        spreads = self._spreads or [CATCH_UP_HORIZON] * len(plans)
+        steps = zip(plans, lags, spreads, strict=True)
+        return self._per_position * sum(lag / spread for p, lag, spread in steps if p.k)
 
     def catch_up_seconds(self, positions: int) -> float:
         """A catch-up of `positions` as recent ones took (0 before any was measured: a cheap guess, corrected)."""

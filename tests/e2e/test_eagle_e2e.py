@@ -35,8 +35,11 @@ def test_batch_of_8_through_preemption_matches_transformers(eagle_stack: Stack, 
     results, stats = asyncio.run(run())
     problems = []
     for i, r in zip(indices, results, strict=True):
+        # Adaptive k at a batch of 8: the policy may leave a request plain for its whole life (drafting rarely
+        # pays at this batch on a CPU; a request admitted after preemption plans with the others' acceptance),
+        # so drafting is checked over the batch, not per request
         problems += check_greedy(
-            f"prompt {i}", r, greedy_references[i], MAX_NEW_TOKENS, tokenizer.eos_token_id, tokenizer
+            f"prompt {i}", r, greedy_references[i], MAX_NEW_TOKENS, tokenizer.eos_token_id, tokenizer, drafting=False
         )
     assert not problems, "\n".join(problems)
     assert stats.preemptions > 0, "the KV cache was meant to force preemption"

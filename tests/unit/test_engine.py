@@ -320,22 +320,27 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
 
 def test_the_plan_is_told_what_each_sequence_s_call_would_catch_up(target):
     """Adaptive k: the policy gets, per sequence, the positions its proposer has not seen beyond what one step
-    commits: a new request's whole prompt, nothing once it drafts every step."""
+    commits (a new request's whole prompt, nothing once it drafts every step), and the tokens it may still emit
+    (what a catch-up is spread over)."""
     engine = engine_with(target, NgramDrafter(), k=2, adaptive_k=True)
     policy = engine.scheduler.policy
-    plan, lags_seen = policy.plan, []
+    plan, lags_seen, horizons_seen = policy.plan, [], []
 
-    def recording(seqs, vary=False, lags=None):
+    def recording(seqs, vary=False, lags=None, horizons=None):
         lags_seen.append(list(lags))
-        return plan(seqs, vary, lags)
+        horizons_seen.append(list(horizons))
+        return plan(seqs, vary, lags, horizons)
 
     policy.plan = recording
     prompt = prompts(1, seed=3)[0] * 3
     engine.add_request("r", prompt, SamplingParams(max_tokens=12, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
+    horizons_seen = [h for h, lags in zip(horizons_seen, lags_seen, strict=True) if lags]
     lags_seen = [lags for lags in lags_seen if lags]  # plans of the one sequence
     assert lags_seen[0][0] >= len(prompt), lags_seen
+    assert horizons_seen[0][0] in (11, 12), horizons_seen  # its prompt's last chunk, or its first decode
+    assert all(0 < h[0] <= 12 for h in horizons_seen) and horizons_seen == sorted(horizons_seen, reverse=True)
     assert [0] in lags_seen[1:], lags_seen  # once its tokens went with a draft request every step
 
 

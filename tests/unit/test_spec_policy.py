@@ -162,6 +162,30 @@ def test_a_size_not_timed_lately_is_at_most_its_warm_up_shape_at_the_live_level(
     assert times.estimate(1, 9) == pytest.approx(0.030)
 
 
+def test_a_size_other_sizes_were_timed_many_times_since_is_at_most_its_warm_up_shape_at_the_live_level():
+    """Within FRESH_S too: trees timed in a slow half-second, then `window` chain and plain steps back at the old
+    level, leave 9 rows at most the warm-up's shape at that level (before: at their slow time for FRESH_S, a whole
+    request at one client)."""
+    now = [0.0]
+    times = StepTimes(stepwise=True, clock=lambda: now[0])
+    for q in (1, 5, 9):
+        times.calibrate(1, q, 0.020 + 0.0005 * q)
+    for _ in range(4):
+        times.add(1, 9, 0.0245)
+        now[0] += 0.03
+    for _ in range(4):
+        times.add(1, 9, 0.036)  # the host slows: the median of 9 rows' 8 times is half slow
+        times.add(1, 9, 0.036)
+        now[0] += 0.03
+    assert times.estimate(1, 9) == pytest.approx(0.036)
+    for step in range(times.window):
+        assert times.estimate(1, 9) == pytest.approx(0.036)  # a few steps of other sizes: still its own time
+        times.add(1, 5 if step % 2 else 1, 0.0225 if step % 2 else 0.0205)  # chains and plain steps, as before
+        now[0] += 0.03
+    assert now[0] < spec_policy.FRESH_S
+    assert times.estimate(1, 9) == pytest.approx(0.0245)  # the warm-up's 9 rows at the live level (1.0)
+
+
 # ---- a simulated engine ----------------------------------------------------------------------------
 
 
@@ -777,7 +801,10 @@ def test_a_propose_call_s_catch_up_is_learned_per_position_and_charged_to_the_pl
     policy.record_catch_up(8, 1, False, call + 0.400, 250)
     policy.record_catch_up(8, 1, False, call + 0.400, 250)  # the median: 1.6 ms a position
     assert any(p.k for p in policy.plan([(e, 4) for e in agreeing], lags=[0] * 8))
-    assert not any(p.k for p in policy.plan([(e, 4) for e in agreeing], lags=[250] * 8))
+    # 400 ms a sequence, spread over the 16 steps of a long request: paid once, the chains pay for it; over the
+    # last 4 steps of requests about to end, they do not
+    assert any(p.k for p in policy.plan([(e, 4) for e in agreeing], lags=[250] * 8, horizons=[128] * 8))
+    assert not any(p.k for p in policy.plan([(e, 4) for e in agreeing], lags=[250] * 8, horizons=[4] * 8))
 
 
 def test_a_catch_up_call_cheaper_than_a_call_is_expected_to_be_corrects_the_expectation():
@@ -795,24 +822,43 @@ def test_a_catch_up_call_cheaper_than_a_call_is_expected_to_be_corrects_the_expe
     assert policy.propose_chain.estimate(1, 1) == pytest.approx(0.003)
 
 
-def test_a_lag_is_paid_once_so_a_plan_is_charged_it_spread_over_steps(monkeypatch):
+def test_a_lag_is_paid_once_so_a_plan_is_charged_it_spread_over_the_steps_left(monkeypatch):
     """A new request's prompt, or the tokens of plain steps, must be caught up on by whichever step drafts first.
-    Charged all at once, a chain that pays once caught up never ran, and the lag only grew (at one client, fp32
-    target: 48 tokens decoded plainly). A lag too long to pay for over CATCH_UP_STEPS steps still keeps it plain."""
-    policy = SpecPolicy()
-    for query in range(1, 6):
-        policy.record_step(1, query, 0.0276 + 0.00035 * (query - 1))
-    for depth in range(1, 5):
-        policy.record_propose(1, depth, False, 0.0025 + 0.0011 * depth)
-    call = policy._propose_part(1, 1, False)
-    for _ in range(3):
-        policy.record_catch_up(1, 1, False, call + 0.00025 * 40, 40)  # 0.25 ms a caught-up position
-    acc = AcceptanceEstimate(alpha=0.36, tested=1000)
-    assert policy.plan([(acc, 4)], lags=[0])[0].k > 0  # caught up: a chain pays
-    assert policy.plan([(acc, 4)], lags=[43])[0].k > 0  # the prompt's catch-up, paid once
-    assert policy.plan([(acc, 4)], lags=[2000])[0].k == 0
-    monkeypatch.setattr(spec_policy, "CATCH_UP_STEPS", 1)
-    assert policy.plan([(AcceptanceEstimate(alpha=0.36, tested=1000), 4)], lags=[43])[0].k == 0  # as before
+    Charged all at once, or over 4 steps, a chain that pays once caught up never ran, and the lag only grew: at one
+    client (fp32 target, the e2e stack's costs) a request whose prior was 0.3 decoded all 48 tokens plainly. Spread
+    over the steps it may still run (at most CATCH_UP_HORIZON), it drafts at once; a lag too long to pay for, or a
+    request about to end, stays plain."""
+
+    def costed() -> SpecPolicy:
+        policy = SpecPolicy()
+        for query in range(1, 6):
+            policy.record_step(1, query, 0.0286 + 0.0032 * (query - 1))
+        for depth in range(1, 5):
+            policy.record_propose(1, depth, False, 0.0025 + 0.001 * depth)
+        policy.record_rest(1, 0, 0.0008)
+        policy.record_rest(1, 1, 0.0009)
+        call = policy._propose_part(1, 1, False)
+        for _ in range(3):
+            policy.record_catch_up(1, 1, False, call + 0.00025 * 40, 40)  # 0.25 ms a caught-up position
+        return policy
+
+    def first_drafting_step(alpha: float) -> int | None:
+        """The step at which a 48-token request with a 43-token prompt first drafts (its lag grows while plain)."""
+        policy, acc = costed(), AcceptanceEstimate(alpha=alpha, tested=1000)
+        for step in range(48):
+            if policy.plan([(acc, 4)], lags=[43 + step], horizons=[48 - step])[0].k:
+                return step
+        return None
+
+    acc = AcceptanceEstimate(alpha=0.3, tested=1000)
+    assert costed().plan([(acc, 4)], lags=[0], horizons=[48])[0].k > 0  # caught up: a chain pays
+    assert first_drafting_step(0.3) == 0  # the prompt's catch-up, paid once
+    assert costed().plan([(acc, 4)], lags=[2000], horizons=[48])[0].k == 0
+    assert costed().plan([(acc, 4)], lags=[43], horizons=[1])[0].k == 0  # one token left: not worth 11 ms
+    assert first_drafting_step(0.2) is None  # no chain pays at 0.2 on these costs, caught up or not
+    assert costed().plan([(AcceptanceEstimate(alpha=0.2, tested=1000), 4)], lags=[0], horizons=[48])[0].k == 0
+    monkeypatch.setattr(spec_policy, "CATCH_UP_HORIZON", 4)
+    assert first_drafting_step(0.3) is None  # as before: the lock
 
 
 def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
