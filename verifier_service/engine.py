@@ -668,7 +668,7 @@ class Engine:
         params = seq.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return FinishReason.STOP
-        if len(seq.output_ids) >= params.max_tokens or len(seq.tokens) >= self.config.max_model_len:
+        if seq.tokens_left <= 0 or len(seq.tokens) >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 

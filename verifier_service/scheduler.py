@@ -106,12 +106,11 @@ class Scheduler:
     def max_draft_length(self, seq: Sequence) -> int:
         """The largest k for a sequence about to decode: never past the context limit or the tokens it may still
         emit, nor past the request's own cap."""
-        remaining_output = seq.params.max_tokens - len(seq.output_ids)
         room = self.config.max_model_len - len(seq.tokens)
         k_cap = self.config.num_speculative_tokens
         if seq.max_draft_tokens is not None:
             k_cap = min(k_cap, seq.max_draft_tokens)
-        return max(0, min(k_cap, remaining_output - 1, room - 1))
+        return max(0, min(k_cap, seq.tokens_left - 1, room - 1))
 
     def plan_ahead(self) -> dict[str, Plan]:
         """The next step's plans, made now (the engine asks the proposer before the step starts); the next
@@ -146,7 +145,7 @@ class Scheduler:
                 [(s.acceptance, k) for s, k in zip(decoding, k_maxes, strict=True)],
                 vary,
                 [lag if lag > self.config.step_tokens else 0 for lag in lags],
-                [s.params.max_tokens - len(s.output_ids) for s in decoding],
+                [s.tokens_left for s in decoding],
             )
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 

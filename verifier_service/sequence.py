@@ -62,6 +62,11 @@ class Sequence:
         return self.output_offset + len(self.tokens) - len(self.prompt_ids)
 
     @property
+    def tokens_left(self) -> int:
+        """Output tokens the request may still emit (max_tokens less what it emitted)."""
+        return self.params.max_tokens - (len(self.tokens) - len(self.prompt_ids))
+
+    @property
     def num_uncomputed(self) -> int:
         return len(self.tokens) - self.num_computed
 

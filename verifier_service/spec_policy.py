@@ -879,9 +879,9 @@ class SpecPolicy:
             return self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
         spreads = self._spreads or [CATCH_UP_HORIZON] * len(plans)
         steps = zip(plans, lags, spreads, strict=True)
-        return self._per_position * sum(lag / spread for p, lag, spread in steps if p.k)
+        return self.catch_up_seconds(sum(lag / spread for p, lag, spread in steps if p.k))
 
-    def catch_up_seconds(self, positions: int) -> float:
+    def catch_up_seconds(self, positions: float) -> float:
         """A catch-up of `positions` as recent ones took (0 before any was measured: a cheap guess, corrected)."""
         return self._per_position * positions
 
