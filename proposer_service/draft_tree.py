@@ -84,6 +84,8 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
             frontier = [i for i, node in enumerate(tree.nodes) if node.depth == depth]
             for i in sorted(frontier, key=lambda i: -tree.nodes[i].score)[: drafter.tree_beam]:
                 node = tree.nodes[i]
+                if not _children_can_be_kept(tree, node.score, req.max_tree_nodes):
+                    continue
                 above = tree.nodes[node.parent].ancestors if node.parent >= 0 else ()
                 node.ancestors = (*above, tree.fed)
                 expansions.append(Expansion(row, node.token, depth, tree.fed, node.ancestors))
@@ -122,6 +124,14 @@ def _add_children(drafter: PagedDrafter, tree: _Tree, parent: int, score: float,
     for value, index in best:
         if value > float("-inf"):  # a truncated distribution may hold fewer tokens than the width
             tree.nodes.append(_Node(drafter._token(index), parent, depth, score + value))
+
+
+def _children_can_be_kept(tree: _Tree, score: float, max_nodes: int) -> bool:
+    """Whether a child of a node scored `score` could be among the kept nodes. A child scores at most its parent,
+    and comes after every node there is now, which wins a tie: with `max_nodes` nodes already scored at least its
+    parent's, neither it nor anything under it is kept, and feeding its parent (a head forward) would change
+    nothing that is sent."""
+    return sum(node.score >= score for node in tree.nodes) < max_nodes
 
 
 def _kept(req: DraftRequest, tree: _Tree) -> Draft:
