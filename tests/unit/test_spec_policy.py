@@ -896,7 +896,39 @@ def test_trees_judged_poor_are_still_drafted_now_and_then_where_that_costs_littl
 
     every = spec_policy.TREE_EXPLORE_EVERY
     assert trees_in(policy_at(0.045), 3 * every) == [every - 1, 2 * every - 1, 3 * every - 1]
+    # A quarter longer: at one client a tree of 9 rows beside the chain of 2-3 the policy chose was expected 12-44%
+    # longer, and a loss of at most 10% explored none after a poor estimate.
+    assert trees_in(policy_at(0.054), 3 * every) == [every - 1, 2 * every - 1, 3 * every - 1]
     assert trees_in(policy_at(0.080), 3 * every) == []  # a tree would make the step 50% longer
+    with pytest.MonkeyPatch.context() as m:  # the negative control: the old bound
+        m.setattr(spec_policy, "TREE_EXPLORE_LOSS", 0.1)
+        assert trees_in(policy_at(0.054), 3 * every) == []
+
+
+def test_a_few_unlucky_first_trees_do_not_turn_a_kind_to_chains():
+    """Trees that rescue 16% of their best guesses' rejections (0.84 of them missed, as the committed head's do over
+    whole held-out runs) pay here; the first eight happened to rescue none. The prior, worth 16 positions and
+    decaying as the trees' own evidence does, keeps the share near it and the kind drafting trees, which then
+    correct it; at 4 positions (the negative control) the share comes out above 0.95 and chains are chosen."""
+
+    def share_and_plan(prior_positions: float) -> tuple[float, Plan]:
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(spec_policy, "TREE_PRIOR_POSITIONS", prior_positions)
+            policy = SpecPolicy(max_tree_nodes=8)
+            for batch_query, seconds in ((1, 0.041), (5, 0.043), (9, 0.046)):
+                policy.record_step(1, batch_query, seconds)
+            for tree in (False, True):
+                for depth, seconds in ((1, 0.004), (4, 0.010)):
+                    policy.record_propose(1, depth, tree, seconds)
+            acc = AcceptanceEstimate(alpha=0.5, tested=1000)
+            for _ in range(spec_policy.MIN_TREES):  # each accepted exactly what its best guesses did
+                acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
+            return acc.tree_misses.share, policy.plan([(acc, 4)])[0]
+
+    share, plan = share_and_plan(16.0)
+    assert share < 0.92 and plan == Plan(4, 8)
+    share, plan = share_and_plan(4.0)
+    assert share > 0.95 and plan.tree_nodes == 0
 
 
 # ---- a new sequence's prior ------------------------------------------------------------------------
