@@ -861,13 +861,20 @@ def test_a_lag_is_paid_once_so_a_plan_is_charged_it_spread_over_the_steps_left(m
     assert first_drafting_step(0.3) is None  # as before: the lock
 
 
-def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
+def one_client_policy(chain_scoring: float, tree_scoring: float) -> SpecPolicy:
+    """A policy that timed batch 1 at one row (41 ms), a chain of 4 (5 rows) and a tree of 8 (9 rows), and propose
+    calls of chains and trees at depths 1 and 4."""
     policy = SpecPolicy(max_tree_nodes=8)
-    for batch_query, seconds in ((1, 0.041), (5, 0.046), (9, 0.051)):
+    for batch_query, seconds in ((1, 0.041), (5, chain_scoring), (9, tree_scoring)):
         policy.record_step(1, batch_query, seconds)
     for tree in (False, True):
         for depth, seconds in ((1, 0.004), (4, 0.010)):
             policy.record_propose(1, depth, tree, seconds)
+    return policy
+
+
+def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
+    policy = one_client_policy(0.046, 0.051)
     acc = AcceptanceEstimate(alpha=0.5, tested=1000)
     assert policy.plan([(acc, 4)]) == [Plan(4, 8)]  # untried: the prior
     for _ in range(spec_policy.MIN_TREES):  # measured: no better than their best guesses
@@ -880,13 +887,7 @@ def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
 
 def test_trees_judged_poor_are_still_drafted_now_and_then_where_that_costs_little():
     def policy_at(tree_scoring: float) -> SpecPolicy:
-        policy = SpecPolicy(max_tree_nodes=8)
-        for batch_query, seconds in ((1, 0.041), (5, 0.043), (9, tree_scoring)):
-            policy.record_step(1, batch_query, seconds)
-        for tree in (False, True):
-            for depth, seconds in ((1, 0.004), (4, 0.010)):
-                policy.record_propose(1, depth, tree, seconds)
-        return policy
+        return one_client_policy(0.043, tree_scoring)
 
     def trees_in(policy: SpecPolicy, plans: int) -> list[int]:
         acc = AcceptanceEstimate(alpha=0.5, tested=1000)
@@ -914,12 +915,7 @@ def test_a_few_unlucky_first_trees_do_not_turn_a_kind_to_chains():
     def share_and_plan(prior_positions: float) -> tuple[float, Plan]:
         with pytest.MonkeyPatch.context() as m:
             m.setattr(spec_policy, "TREE_PRIOR_POSITIONS", prior_positions)
-            policy = SpecPolicy(max_tree_nodes=8)
-            for batch_query, seconds in ((1, 0.041), (5, 0.043), (9, 0.046)):
-                policy.record_step(1, batch_query, seconds)
-            for tree in (False, True):
-                for depth, seconds in ((1, 0.004), (4, 0.010)):
-                    policy.record_propose(1, depth, tree, seconds)
+            policy = one_client_policy(0.043, 0.046)
             acc = AcceptanceEstimate(alpha=0.5, tested=1000)
             for _ in range(spec_policy.MIN_TREES):  # each accepted exactly what its best guesses did
                 acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
