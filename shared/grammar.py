@@ -265,39 +265,63 @@ class GrammarMatcher:
             if valid_tokens:
                 self._matcher.rollback(len(valid_tokens))
 
-    def fill_masks(self, draft_ids: list[int], bitmask: torch.Tensor, row: int = 0) -> int:
+    def fill_masks(self, draft_ids: list[int], bitmask: torch.Tensor, row: int = 0, eos_ends: bool = True) -> int:
         """Rows row .. row + len(draft_ids) of `bitmask` ([rows, words] int32) get the tokens allowed at each
         scored position along the draft: the position before draft token j is row + j, the bonus position
-        last. Rows after the first forbidden draft token (or after an EOS) are left all-allowed: verification
-        rejects that token, so nothing after it is ever emitted. The matcher's state is unchanged.
-        Returns the number of rows filled with a real mask."""
+        last. Rows after the first forbidden draft token (or after an EOS that ends the request) are left
+        all-allowed: verification rejects that token, or the request ends there, so nothing after it is ever
+        emitted. `eos_ends` False (a request that ignores EOS): a drafted EOS the format allows where it stands
+        does not end the walk; it is skipped, as `consume` skips it, so the row after it allows what the row
+        before it did, as plain decoding's next mask would. The matcher's state is unchanged. Returns the
+        number of rows filled with a real mask."""
         bitmask[row : row + len(draft_ids) + 1] = -1
-        walk, num_valid = self._valid_walk(draft_ids)
-        for j in range(num_valid + 1):
-            self._fill_row(bitmask, row + j)
-            if j < num_valid:
-                self._matcher.consume_token(walk[j])
-        if num_valid:
-            self._matcher.rollback(num_valid)
-        return num_valid + 1
+        consumed = 0
+        try:
+            for j, token in enumerate([*draft_ids, None]):
+                self._fill_row(bitmask, row + j)
+                if token is None or not self._allowed(token, bitmask[row + j], eos_ends):
+                    return j + 1
+                if token not in self.compiler.eos_token_ids:
+                    self._matcher.consume_token(token)
+                    consumed += 1
+            raise AssertionError("unreachable: the walk ends at the bonus position")
+        finally:
+            if consumed:
+                self._matcher.rollback(consumed)
 
-    def fill_tree_masks(self, token_ids: list[int], parents: list[int], bitmask: torch.Tensor, row: int = 0) -> int:
+    def fill_tree_masks(
+        self, token_ids: list[int], parents: list[int], bitmask: torch.Tensor, row: int = 0, eos_ends: bool = True
+    ) -> int:
         """A token tree's scored positions: row `row` gets the tokens allowed at the root, row + 1 + i those
-        allowed after the path to node i. A row whose path holds a forbidden token or an EOS is left all-allowed:
-        verification never accepts that node (the forbidden token has no target probability under its parent's
-        mask; an EOS ends the request), so nothing is emitted from it. State unchanged; returns rows filled."""
+        allowed after the path to node i. A row whose path holds a forbidden token or an EOS that ends the
+        request is left all-allowed: verification never accepts that node (the forbidden token has no target
+        probability under its parent's mask; the EOS ends the request), so nothing is emitted from it. An EOS
+        that does not end it (`eos_ends` False) is skipped along the path, as in `fill_masks`. State unchanged;
+        returns rows filled."""
         bitmask[row : row + len(token_ids) + 1] = -1
         self._fill_row(bitmask, row)
         filled = 1
-        paths: list[list[int]] = []
-        for node, parent in enumerate(parents):
-            paths.append([*(paths[parent] if parent >= 0 else []), token_ids[node]])
-            walk, num_valid = self._valid_walk(paths[-1])
-            if num_valid == len(walk) == len(paths[-1]):
-                with self._after(walk):
+        paths: list[list[int] | None] = []  # each node's path of grammar tokens (EOS skipped); None: not valid
+        for node, (token, parent) in enumerate(zip(token_ids, parents, strict=True)):
+            above = paths[parent] if parent >= 0 else []
+            path = None
+            if above is not None and self._allowed(token, bitmask[row + 1 + parent], eos_ends, above):
+                path = above if token in self.compiler.eos_token_ids else [*above, token]
+            paths.append(path)
+            if path is not None:
+                with self._after(path):
                     self._fill_row(bitmask, row + 1 + node)
                 filled += 1
         return filled
+
+    def _allowed(self, token: int, mask_row: torch.Tensor, eos_ends: bool, path: list[int] | None = None) -> bool:
+        """Whether `token` may follow: an EOS where it does not end the request and the row's mask (the tokens
+        allowed where it stands) has it; any other token where the grammar accepts it after the matcher's state
+        (and `path`, already validated)."""
+        if token in self.compiler.eos_token_ids:
+            return not eos_ends and bool((int(mask_row[token // 32]) >> (token % 32)) & 1)
+        walk = [*(path or ()), token]
+        return bool(self._matcher.validate_tokens(walk) == len(walk))
 
     def _fill_row(self, bitmask: torch.Tensor, row: int) -> None:
         target = bitmask[row]

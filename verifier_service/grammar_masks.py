@@ -54,10 +54,11 @@ class GrammarMasks:
             draft_ids = draft.token_ids if draft is not None else []
             bitmask = self.compiler.new_bitmask(len(draft_ids) + 1)  # [k + 1, words]: a tree's root and nodes
             assert seq.grammar is not None
+            eos_ends = not seq.params.ignore_eos  # else a drafted EOS is emitted and decoding goes on past it
             if draft is not None and draft.parents is not None:
-                seq.grammar.fill_tree_masks(draft_ids, draft.parents, bitmask)  # each node along its own path
+                seq.grammar.fill_tree_masks(draft_ids, draft.parents, bitmask, eos_ends=eos_ends)  # along each path
             else:
-                seq.grammar.fill_masks(draft_ids, bitmask)
+                seq.grammar.fill_masks(draft_ids, bitmask, eos_ends=eos_ends)
             masks[seq.seq_id] = bitmask
         return masks, start, time.perf_counter()
 

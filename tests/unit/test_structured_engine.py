@@ -328,3 +328,24 @@ def test_masks_are_a_span_of_the_step_and_a_phase_metric(target, weak_draft, com
                         counts[point.attributes["phase"]] = point.count
     assert counts["grammar_mask"] == counts["grammar_wait"] == len(masks)
     assert counts["verify"] == engine.stats.steps
+
+
+@pytest.mark.parametrize("tree_nodes", [0, 6])
+def test_a_format_with_ignore_eos_is_exact_past_a_drafted_eos(target, weak_draft, compiler, tree_nodes):  # noqa: F811
+    """A request that ignores EOS goes on past the EOS its format ends with, and plain decoding masks the next
+    position as it masked the EOS's (the matcher skips an EOS). A drafter that drafts the EOS (the target
+    itself as draft) must not leave the position after it unmasked: greedy and seeded output equal plain
+    decoding's, chains and trees."""
+    fmt = StructuredOutput("regex", r"ab")
+    ps = prompts(3, seed=21)
+    greedy = SamplingParams(max_tokens=8, ignore_eos=True, structured_output=fmt)
+    seeded = SamplingParams(temperature=1.0, seed=5, max_tokens=8, ignore_eos=True, structured_output=fmt)
+    requests = {f"g{i}": (p, greedy) for i, p in enumerate(ps)} | {f"s{i}": (p, seeded) for i, p in enumerate(ps)}
+    plain = run_params(constrained(engine_with(target, None, k=1, max_num_seqs=6), compiler), requests)
+    for out in plain.values():  # the format, then only EOS: past every EOS the request went on
+        assert out[:2] == char_ids("ab") and out[2:] == [EOS] * 6, out
+    for drafter in ("same", weak_draft):
+        engine = engine_with(target, drafter, k=3, max_num_seqs=6, max_tree_nodes=tree_nodes)
+        engine = constrained(engine, compiler)
+        assert run_params(engine, requests) == plain
+        assert engine.stats.drafted_tokens > 0
