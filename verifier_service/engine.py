@@ -568,6 +568,12 @@ class Engine:
         return self._request(s.seq, committed, k, nodes)
 
     def _request(self, seq: Sequence, committed: int, k: int, nodes: int) -> DraftRequest:
+        stream = getattr(self.drafter, "connections", 0)
+        if seq.proposer_stream != stream:
+            # A new stream holds nothing of the sequence: send it whole now, uncharged, rather than have the
+            # proposer ask (a resend charged to the sequence, and a step without drafts). Tokens counted as sent
+            # while no stream was up (followed, asked early and not scheduled) were never seen either.
+            seq.proposer_stream, seq.num_sent_to_proposer, seq.num_features_sent = stream, 0, 0
         new = seq.tokens[seq.num_sent_to_proposer : committed]
         feature_start, features = 0, None
         if seq.features is not None and self.keeps_features:

@@ -278,8 +278,13 @@ class RemoteProposer:
             )
 
     def _drop(self, call: grpc.aio.StreamStreamCall, reason: str) -> None:
-        """On the event loop: forget the stream (if still current) and wake the reconnecting task."""
+        """On the event loop: forget the stream (if still current) and wake the reconnecting task. A failure of an
+        older stream, collected after a new one came up, leaves the new one in use: `_lose` may have marked the
+        proposer disconnected from the engine's thread meanwhile, and the new stream is connected (its call is
+        set with the flag, on this loop)."""
         if call is not self._call or call is None:
+            if call is not None and self._call is not None and not self._closed:
+                self._connected = True
             return
         if self._connected and not self._closed:
             log.warning(
@@ -333,7 +338,7 @@ class RemoteProposer:
             )
             self._late_in_a_row = 0
         except concurrent.futures.TimeoutError:
-            future.cancel()  # stops waiting; the message itself was sent and is applied in order
+            future.cancel()  # stops waiting; the message is still written (`_exchange`) and applied in order
             self.timeouts += 1
             self._late_in_a_row += 1
             if self._late_in_a_row >= MAX_LATE_REPLIES:
@@ -361,11 +366,12 @@ class RemoteProposer:
         future.add_done_callback(lambda f: f.cancelled() or f.exception())  # an error surfaces on the next call
 
     def _lose(self, call: grpc.aio.StreamStreamCall, loop: asyncio.AbstractEventLoop, reason: str) -> None:
-        if self._connected:
+        if self._connected and call is self._call:
             log.warning(
                 "proposer round trip failed address=%s reason=%s; this step decodes with k = 0", self.address, reason
             )
-        self._connected = False  # at once, so the next step does not use the stream
+        if call is self._call:  # an older stream's failure says nothing of the current one
+            self._connected = False  # at once, so the next step does not use the stream
         loop.call_soon_threadsafe(self._drop, call, reason)
 
     def _fallback(self, requests: list[DraftRequest], resync: bool = True) -> list[Draft]:
@@ -411,31 +417,45 @@ class RemoteProposer:
         the reader then discards that reply when it comes)."""
         assert self._write_lock is not None
         reply: asyncio.Future = asyncio.get_running_loop().create_future()
-        self._pending[message.step_id] = reply
-        try:
-            async with self._write_lock:  # one write at a time, also while an abandoned one still flushes
+        pending = self._pending  # this stream's: the reader fails what is left in it when the stream goes
+        pending[message.step_id] = reply
+        lock = self._write_lock
+
+        async def write() -> None:
+            async with lock:  # one write at a time, also while an abandoned one still flushes
                 await call.write(message)
+
+        try:
+            # Shielded: a caller past its deadline stops waiting, but the message is still written, in order, so
+            # the proposer has its tokens and releases as `collect` assumes (a cancel that came while the write
+            # waited for the lock behind a large one had dropped the message unsent).
+            written = asyncio.ensure_future(write())
+            written.add_done_callback(lambda task: task.cancelled() or task.exception())  # shown to no one else
+            await asyncio.shield(written)
             return await reply
         finally:
-            self._pending.pop(message.step_id, None)
+            pending.pop(message.step_id, None)
 
     async def _read_replies(self, call: grpc.aio.StreamStreamCall) -> None:
-        """The stream's one reader: each reply goes to the call waiting for its step id; late ones are dropped."""
+        """The stream's one reader: each reply goes to the call waiting for its step id; late ones are dropped.
+        When the stream goes, every reply still awaited on it fails at once, also where this verifier dropped the
+        stream itself (a malformed reply, too many late ones: the reader is cancelled), so that no step waits out
+        its deadline for a reply that cannot come, and its drafts are resent whole on the next stream."""
+        pending = self._pending
         try:
             while (response := await call.read()) is not grpc.aio.EOF:
                 assert isinstance(response, proposer_pb2.ProposeResponse)
                 self.received_draft_tokens += sum(len(d.draft_token_ids) for d in response.drafts)
-                reply = self._pending.pop(response.step_id, None)
+                reply = pending.pop(response.step_id, None)
                 if reply is not None and not reply.done():
                     reply.set_result(response)
             failure: Exception = ConnectionError("the proposer closed the stream")
         except asyncio.CancelledError:
+            _fail_all(pending, ConnectionError("the stream was dropped"))
             raise
         except Exception as err:  # grpc.aio.AioRpcError and the like: the stream is gone
             failure = err
-        for reply in self._pending.values():
-            if not reply.done():
-                reply.set_exception(failure)
+        _fail_all(pending, failure)
         self._drop(call, str(failure))
 
     def _unpack(
@@ -465,3 +485,9 @@ class RemoteProposer:
         if invalid and self.last_round_trip is not None:
             self.last_round_trip = dataclasses.replace(self.last_round_trip, invalid=tuple(invalid))
         return drafts
+
+
+def _fail_all(pending: dict[int, asyncio.Future], failure: Exception) -> None:
+    for reply in pending.values():
+        if not reply.done():
+            reply.set_exception(failure)

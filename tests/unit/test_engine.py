@@ -632,3 +632,34 @@ def test_a_prompt_prefilled_in_chunks_is_ingested_by_the_drafter_alongside(targe
     assert len(ingests) >= 3 and all(n <= 8 for _, _, n in ingests)
     assert sum(n for _, _, n in ingests) + first_draft[2] == len(prompt)  # each token sent once
     assert first_draft[2] <= 8 and max(forwards) <= 8  # no forward over the whole prompt
+
+
+def test_a_new_proposer_stream_gets_each_sequence_whole_and_uncharged(target_hf, target):
+    """A remote proposer's new stream (its `connections` counter) holds nothing: each sequence's next request
+    carries its whole history, so no step waits for the proposer to ask, and no resend is charged to it."""
+
+    class Reconnecting(NgramDrafter):
+        connections = 1
+        asked: list[tuple[int, int, int]] = []  # (stream, committed, tokens sent)
+
+        def propose(self, requests):
+            self.asked += [(self.connections, r.committed_len, len(r.new_token_ids)) for r in requests]
+            return super().propose(requests)
+
+    drafter = Reconnecting()
+    engine = engine_with(target, drafter, k=2)
+    prompt = prompts(1, seed=9)[0]
+    engine.add_request("a", prompt, SamplingParams(max_tokens=20))
+    outputs, steps = [], 0
+    while engine.has_unfinished():
+        steps += 1
+        if steps == 4:
+            drafter.connections = 2  # the proposer restarted: a new stream
+        outputs += [t for out in engine.step() for t in out.new_token_ids]
+    assert outputs == hf_greedy(target_hf, prompt, 20)
+    by_stream = {s: [(c, n) for t, c, n in drafter.asked if t == s] for s in (1, 2)}
+    assert by_stream[1] and by_stream[2]
+    assert by_stream[1][0][0] == by_stream[1][0][1]  # the first request is whole: the prompt
+    assert by_stream[1][-1][1] < by_stream[1][-1][0]  # then deltas
+    assert by_stream[2][0][0] == by_stream[2][0][1]  # whole again on the new stream
+    assert all(n < c for c, n in by_stream[2][1:])  # and deltas after it
