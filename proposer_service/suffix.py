@@ -155,9 +155,12 @@ class SuffixDrafter:
             # The first request that drafts knows where the output starts: every later one is decoding.
             state.output_start = min(max(0, req.committed_len - req.draft_position), req.committed_len)
             added = state.tokens[max(0, state.output_start - self.prompt_context) :].tolist()
-            state.cached = True
-        if state.cached:  # once evicted (or too long for the budget) it stays out: a fragment would mislead
             state.cached = self.cache.extend(state.tenant, state.key, added)
+        elif state.cached:
+            # Once evicted (by other requests' text, or too long for the budget) it stays out: added again from
+            # here it would be a fragment without its start, and would push out whole answers.
+            still_held = self.cache.holds(state.tenant, state.key)
+            state.cached = still_held and self.cache.extend(state.tenant, state.key, added)
         return state
 
     # ---- drafting ------------------------------------------------------------------------------

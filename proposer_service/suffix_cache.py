@@ -66,9 +66,11 @@ class SuffixCache:
         if not tree.sequences:
             del self.trees[tenant]
 
+    # Read by the metrics exporter's thread while the drafter's adds and drops tenants' trees: a snapshot of the
+    # dict's values (one call, under the GIL), not an iteration a new tenant would break off.
     @property
     def num_nodes(self) -> int:
-        return sum(t.num_nodes for t in self.trees.values())
+        return sum(t.num_nodes for t in list(self.trees.values()))
 
     def memory_bytes(self) -> int:
-        return sum(t.memory_bytes() for t in self.trees.values())
+        return sum(t.memory_bytes() for t in list(self.trees.values()))

@@ -137,6 +137,23 @@ def test_a_request_evicted_while_it_runs_still_drafts_from_its_tenants_tree():
     assert not drafter.cache.holds("acme", drafter.requests["second"].key)  # and it is not added back
 
 
+def test_a_request_evicted_between_its_steps_is_not_added_back_as_a_fragment():
+    """Evicted while it runs, a request's next step carries new tokens: they must not enter the global tree as a
+    new entry without the request's start (it would push out whole answers)."""
+    prompt, answer = distinct(40, 60, seed=4)
+    drafter = answered(prompt, answer, "acme")
+    second = Session(drafter, "second", prompt, tenant="acme")
+    second.propose(k=8)
+    key = drafter.requests["second"].key
+    assert drafter.cache.holds("acme", key)  # held while it runs
+    drafter.cache.remove(key)
+    held_tokens = drafter.cache.num_tokens
+    second.tokens += answer[:3]  # the step's committed tokens
+    second.propose(k=8)
+    assert not drafter.cache.holds("acme", key) and drafter.cache.num_tokens == held_tokens
+    assert not drafter.requests["second"].cached
+
+
 def test_another_tenant_never_gets_a_draft_from_that_answer():
     prompt, answer = distinct(40, 60, seed=1)  # no token twice: nothing to draft from its own text
     drafter = answered(prompt, answer, "acme")
