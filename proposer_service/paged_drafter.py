@@ -142,12 +142,14 @@ class PagedDrafter(Generic[State]):
         ]
         bonus = {}
         if peeks:
-            self._propose_now(peeks)
-            for (req, _, _), peek in zip(full, peeks, strict=True):
-                guesses = self.candidates.pop(peek.seq_id, None)
-                if guesses is not None and guesses.token_ids:
-                    bonus[req.seq_id] = guesses
-            self.release([peek.seq_id for peek in peeks])
+            try:
+                self._propose_now(peeks)
+                for (req, _, _), peek in zip(full, peeks, strict=True):
+                    guesses = self.candidates.pop(peek.seq_id, None)
+                    if guesses is not None and guesses.token_ids:
+                        bonus[req.seq_id] = guesses
+            finally:  # an alias holds state and blocks: never left behind, also when drafting fails
+                self.release([peek.seq_id for peek in peeks])
         out = []
         for req, tokens, draft, cands in plans:
             extra = bonus.get(req.seq_id)
@@ -175,11 +177,13 @@ class PagedDrafter(Generic[State]):
                     **self._alias_fields(req, len(outcome)),
                 )
             )
-        for (req, _, outcome), alias, draft in zip(rows, aliases, self._propose_now(aliases), strict=True):
-            candidates = self.candidates.pop(alias.seq_id, None)
-            if draft.token_ids and candidates is not None:
-                self.cache.store(req.seq_id, req, outcome, draft, candidates)
-        self.release([a.seq_id for a in aliases])
+        try:
+            for (req, _, outcome), alias, draft in zip(rows, aliases, self._propose_now(aliases), strict=True):
+                candidates = self.candidates.pop(alias.seq_id, None)
+                if draft.token_ids and candidates is not None:
+                    self.cache.store(req.seq_id, req, outcome, draft, candidates)
+        finally:
+            self.release([a.seq_id for a in aliases])
 
     def _apply_ingests(self) -> None:
         if self._ingest:
@@ -339,6 +343,9 @@ class PagedDrafter(Generic[State]):
     # ---- state ----------------------------------------------------------------------------------
 
     def release(self, seq_ids: list[str]) -> None:
+        if self._ingest:  # a cache hit's tokens not yet applied: the sequence is gone, and so is their history
+            gone = set(seq_ids)
+            self._ingest = [req for req in self._ingest if req.seq_id not in gone]
         for seq_id in seq_ids:
             self.cache.release(seq_id)
             self.candidates.pop(seq_id, None)

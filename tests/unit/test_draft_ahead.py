@@ -150,6 +150,24 @@ def test_an_unfinished_round_is_not_served_and_stale_drafting_ahead_stops(target
     assert ahead.cache.stats.hits == 0 and len(draft_k2.token_ids) == 2
 
 
+def test_a_sequence_released_after_a_hit_leaves_nothing_behind(target, weak_draft):
+    """A hit's tokens are applied at the drafter's next call; a sequence released before then (it finished) must
+    not come back as an empty history by that late apply, nor leave an alias of drafting ahead."""
+    ahead = draft_model_drafter(weak_draft)
+    ahead.cache.ahead = 4
+    tokens = [5, 6, 7, 8, 9, 10, 11]
+    first = DraftRequest("s", len(tokens), tokens, 3)
+    (round_t,) = ahead.propose([first])
+    ahead.draft_ahead([first], [round_t], lambda: False)
+    outcome = list(next(iter(ahead.cache.entries["s"])))
+    ahead.propose([DraftRequest("s", len(tokens) + len(outcome), outcome, 3)])
+    assert ahead.cache.stats.hits == 1
+    ahead.release(["s"])
+    ahead.propose([DraftRequest("t", 5, [1, 2, 3, 4, 5], 3)])  # the next message
+    assert set(ahead.history.tokens) == set(ahead.states) == {"t"}
+    assert ahead.blocks.has_seq("t") and not any(ahead.blocks.has_seq(s) for s in ("s", "s\x00ahead0", "s\x00peek"))
+
+
 # ---- through the engine ---------------------------------------------------------------------------
 
 
