@@ -22,6 +22,11 @@ REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded as left context of the first generated token (enough for any tokenizer's
 # leading-space / byte-merging rules; vLLM uses the same number).
 PROMPT_CONTEXT_TOKENS = 5
+# Tokens held back while the text ends in U+FFFD: a UTF-8 character is at most 4 bytes, so a partial one spans at
+# most 3 byte-level tokens. Past this the text holds real U+FFFD characters (a format can ask for them): it is
+# emitted, so that the window, decoded twice for every token, stays short. Held without bound, a run of them was
+# decoded whole at every token: 4000 tokens took 1.1 s of the gateway's event loop, growing with the square.
+MAX_HELD_TOKENS = 8
 
 
 class Tokenizer(Protocol):
@@ -33,6 +38,10 @@ class IncrementalDetokenizer:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         context = list(prompt_ids[-PROMPT_CONTEXT_TOKENS:])
+        # Skipped special tokens add no text, and decoding drops them wherever they stand: left out of the window,
+        # a run of them (EOS under ignore_eos) does not grow it.
+        special = getattr(tokenizer, "all_special_ids", ()) or ()
+        self._skipped = frozenset(special) if skip_special_tokens else frozenset()
         self._ids: list[int] = context
         self._prefix = 0  # start of the decode window
         self._read = len(context)  # ids before this are already turned into emitted text
@@ -44,10 +53,13 @@ class IncrementalDetokenizer:
 
     def add(self, token_id: int) -> str:
         """Adds one token; returns the text it completes ('' while it ends in a partial character)."""
+        if token_id in self._skipped:
+            return ""
         self._ids.append(token_id)
         prefix_text = self._decode(self._ids[self._prefix : self._read])
         full_text = self._decode(self._ids[self._prefix :])
-        if len(full_text) > len(prefix_text) and not full_text.endswith(REPLACEMENT_CHAR):
+        partial = full_text.endswith(REPLACEMENT_CHAR) and len(self._ids) - self._read < MAX_HELD_TOKENS
+        if len(full_text) > len(prefix_text) and not partial:
             delta = full_text[len(prefix_text) :]
             self._prefix, self._read = self._read, len(self._ids)
             return delta

@@ -144,3 +144,36 @@ def test_output_processor_reports_tokens_up_to_the_stop_string_and_respects_max_
     chunk = out.add(ids)
     assert chunk.length_reached and chunk.token_ids == ids[:3]
     assert chunk.text + out.finish().text == tokenizer.decode(ids[:3])
+
+
+class _Recording:
+    """The tokenizer, recording the longest window of ids it is asked to decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.longest = tokenizer, 0
+        self.all_special_ids = tokenizer.all_special_ids
+
+    def decode(self, ids, **kwargs):
+        self.longest = max(self.longest, len(ids))
+        return self.tokenizer.decode(ids, **kwargs)
+
+
+def test_a_long_run_of_skipped_special_tokens_keeps_the_window_short(tokenizer):
+    """EOS after EOS (ignore_eos) adds no text: each token must cost the same, not re-decode the whole run."""
+    ids = [*tokenizer.encode("Done."), *[tokenizer.eos_token_id] * 2000, *tokenizer.encode(" More")]
+    recording = _Recording(tokenizer)
+    deltas, tail = stream(recording, ids)
+    assert "".join(deltas) + tail == "Done. More"
+    assert recording.longest <= 16
+    deltas, tail = stream(tokenizer, ids, skip_special_tokens=False)  # shown, they are text like any other
+    assert "".join(deltas) + tail == tokenizer.decode(ids)
+
+
+def test_real_replacement_characters_are_streamed_not_held_to_the_end(tokenizer):
+    """U+FFFD is held back as a partial character only briefly: a run of real ones (a format may ask for them)
+    streams as it comes, and the window stays short."""
+    ids = tokenizer.encode(REPLACEMENT_CHAR * 500)
+    recording = _Recording(tokenizer)
+    deltas, tail = stream(recording, ids)
+    assert "".join(deltas) + tail == REPLACEMENT_CHAR * 500
+    assert sum(1 for d in deltas if d) > 50 and recording.longest <= 32
