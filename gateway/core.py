@@ -461,7 +461,8 @@ class GatewayCore:
         return common_pb2.Usage(
             prompt_tokens=len(prepared.prompt_ids),
             completion_tokens=completion,
-            cached_prompt_tokens=acct.cached_prompt or 0,
+            # A resumed segment's cache count is of its longer prompt (the emitted tokens resent with it).
+            cached_prompt_tokens=min(acct.cached_prompt or 0, len(prepared.prompt_ids)),
             drafted_tokens=acct.drafted,
             accepted_tokens=min(acct.accepted, acct.drafted),
             num_steps=acct.steps,

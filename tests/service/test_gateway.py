@@ -729,3 +729,20 @@ def test_config_from_flags_and_environment(monkeypatch):
     assert cfg.verifiers == ("a:1", "b:2") and cfg.tokenizer == "/tok" and cfg.port == 6000 and cfg.max_resumes == 5
     with pytest.raises(SystemExit):
         load_gateway_config(["--verifiers", "nohostport"])
+
+
+def test_a_resumed_requests_cached_prompt_tokens_never_exceed_its_prompt():
+    """The segment on the second verifier found its longer prompt (prompt + tokens already emitted) in the prefix
+    cache; the usage counts the client's prompt only."""
+    from gateway.core import GatewayCore, _Accounting, _Segment
+
+    acct = _Accounting()
+    acct.add_segment(_Segment(usage=None, steps=50, drafted=150, accepted=50))  # the dead verifier's counts
+    resumed = common_pb2.Usage(prompt_tokens=110, cached_prompt_tokens=104, drafted_tokens=30, num_steps=10)
+    acct.add_segment(_Segment(usage=resumed, steps=10))
+
+    class Prepared:
+        prompt_ids = tuple(range(10))
+
+    usage = GatewayCore._usage(None, Prepared, list(range(120)), acct)  # type: ignore[arg-type]
+    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (10, 10, 120)
