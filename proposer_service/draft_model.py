@@ -98,29 +98,33 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
 
     def _root_logits(self, reqs: list[DraftRequest], rows: list[int]) -> torch.Tensor:  # [len(rows), vocab]
         """Feed what the catch-up left (the last committed token at least): the last row's logits give d_1."""
-        items = []
+        items, fed = [], []
         for i in rows:
             seq_id = reqs[i].seq_id
             feed, state = self._feeds.pop(seq_id), self.states[seq_id]
             items.append(ForwardItem(self.blocks.block_table(seq_id), len(state.cached), feed, 1))
-            state.cached.extend(feed)
-        return torch.cat(self.runner.forward(items))
+            fed.append((state, feed))
+        logits = torch.cat(self.runner.forward(items))
+        _now_cached(fed)
+        return logits
 
     def _expand_logits(self, reqs: list[DraftRequest], expansions: list[Expansion]) -> torch.Tensor:
         """Each drafted token at its slot after the committed tokens; a tree node with tree attention. Tokens fed
         in a chain stay in `cached` (an accepted one is reused next round); tree nodes are overwritten."""
-        items = []
+        items, fed = [], []
         for e in expansions:
             seq_id = reqs[e.row].seq_id
             state, base = self.states[seq_id], len(self.history.tokens[seq_id])  # base: the first draft slot
             table = self.blocks.block_table(seq_id)
             if e.in_chain:
                 items.append(ForwardItem(table, base + e.index, [e.token], 1))
-                state.cached.append(e.token)
+                fed.append((state, [e.token]))
             else:
                 tree = TreeSpec(base, (base - 1 + e.depth,), (tuple(base + a for a in e.ancestors),))
                 items.append(ForwardItem(table, base + e.index, [e.token], 1, tree))
-        return torch.cat(self.runner.forward(items))
+        logits = torch.cat(self.runner.forward(items))
+        _now_cached(fed)
+        return logits
 
     def _feed_in_chunks(self, rows: list[tuple[DraftRequest, list[int]]], keep: int) -> list[list[int]]:
         """Feed all but the last `keep` uncached tokens of each row, at most CATCH_UP_CHUNK per sequence and
@@ -131,7 +135,7 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
             pending = [i for i, feed in enumerate(feeds) if len(feed) > keep]
             if not pending:
                 return feeds
-            items = []
+            items, fed = [], []
             budget = CATCH_UP_TOKENS
             for i in pending:
                 n = min(CATCH_UP_CHUNK, len(feeds[i]) - keep, budget)
@@ -141,5 +145,13 @@ class DraftModelDrafter(PagedDrafter[_SeqState]):
                 chunk, feeds[i] = feeds[i][:n], feeds[i][n:]
                 seq_id = rows[i][0].seq_id
                 items.append(ForwardItem(self.blocks.block_table(seq_id), len(states[i].cached), chunk, 0))
-                states[i].cached.extend(chunk)
+                fed.append((states[i], chunk))
             self.runner.forward(items)
+            _now_cached(fed)
+
+
+def _now_cached(fed: list[tuple[_SeqState, list[int]]]) -> None:
+    """After the forward that wrote their K/V, not before: a forward that raises must not leave `cached` claiming
+    positions never written, which release and the next round would offer to the prefix cache."""
+    for state, tokens in fed:
+        state.cached.extend(tokens)

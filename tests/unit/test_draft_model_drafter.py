@@ -136,3 +136,28 @@ def test_a_catch_up_of_many_sequences_feeds_a_bounded_number_of_tokens_per_forwa
     assert sum(forwards) >= 6 * 30
     for draft in drafts:
         assert draft.token_ids == hf_greedy(draft_hf, seqs[draft.seq_id], 3, eos=False)
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])  # the catch-up's chunk, the root's row, the first expansion
+def test_a_forward_that_raises_offers_nothing_unwritten_to_the_prefix_cache(draft_hf, monkeypatch, fail_at):
+    """A forward that fails (a GPU out of memory) writes no K/V: on release, the drafter must not register the
+    blocks of tokens it only meant to feed, or a later sequence with that prefix would draft from them."""
+    drafter = new_drafter(draft_hf)
+    runner, calls = drafter.runner, [0]
+    forward = runner.forward
+
+    def failing(items):
+        calls[0] += 1
+        if calls[0] > fail_at:
+            raise RuntimeError("out of memory (simulated)")
+        return forward(items)
+
+    monkeypatch.setattr(runner, "forward", failing)
+    monkeypatch.setattr("proposer_service.draft_model.CATCH_UP_CHUNK", 8)  # the catch-up in chunks of 8
+    tokens = [random.Random(3).randrange(1, 90) for _ in range(21)]
+    with pytest.raises(RuntimeError):
+        drafter.propose([DraftRequest("s", len(tokens), tokens, 3)])
+    written = 8 * min(fail_at, 2)  # tokens fed by the forwards that ran
+    drafter.release(["s"])
+    match = drafter.blocks.match_prefix(tokens[:-1])
+    assert len(match.blocks) * drafter.blocks.block_size <= written
