@@ -101,13 +101,15 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
 
 
 def _log_probs(logits: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:  # [rows, width]
-    """The ranking distribution, as log-probabilities: a sampled request's own, a greedy one's plain softmax."""
-    params = [req.params for req in reqs]
-    if all(p.is_greedy for p in params):
-        return torch.log_softmax(logits.float(), dim=-1)
-    tensors = params_to_tensors(params)
-    tensors["temperature"] = torch.where(tensors["temperature"] > 0, tensors["temperature"], torch.ones(1))
-    return logits_to_probs(logits, **tensors).log()
+    """The ranking distribution, as log-probabilities: a sampled request's own, a greedy one's plain softmax (also
+    beside sampled ones: its top-k or top-p, which greedy output ignores, must not shrink its tree)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    sampled = [i for i, req in enumerate(reqs) if not req.params.is_greedy]
+    if sampled:
+        rows = torch.tensor(sampled)
+        tensors = params_to_tensors([reqs[i].params for i in sampled])
+        log_probs[rows] = logits_to_probs(logits[rows], **tensors).log().float()
+    return log_probs
 
 
 def _best_tokens(drafter: PagedDrafter, log_probs: torch.Tensor) -> list[list[tuple[float, int]]]:

@@ -11,6 +11,7 @@ import torch
 
 import proposer_service.draft_tree as draft_tree
 from shared.drafting import DraftRequest
+from shared.sampling import SamplingParams
 
 VOCAB = 12
 
@@ -115,3 +116,16 @@ def test_a_hand_made_tree_feeds_its_second_depth_only_while_fewer_nodes_outrank_
     tokens, parents = grown(drafter, [DraftRequest("a", 10, [1], 3, max_tree_nodes=max_nodes)])[0]
     assert drafter.fed == 1 + fed_at_depth_2
     assert (tokens, parents) == ([0, 1, 2, 0, 1][:max_nodes], [-1, -1, -1, 0, 0][:max_nodes])
+
+
+def test_a_greedy_requests_ranking_is_the_same_beside_sampled_requests() -> None:
+    """A greedy request ranks its tree by the drafter's plain softmax; its own top-k (which greedy output ignores)
+    must not apply when a sampled request shares the batch, or its tree would shrink to a chain there."""
+    greedy = DraftRequest("g", 5, [1] * 5, 3, params=SamplingParams(temperature=0.0, top_k=1), max_tree_nodes=8)
+    sampled = DraftRequest("s", 5, [1] * 5, 3, params=SamplingParams(temperature=0.7, top_p=0.9), max_tree_nodes=8)
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(0))
+    mixed = draft_tree._log_probs(logits, [greedy, sampled])
+    assert torch.equal(mixed[0], draft_tree._log_probs(logits[:1], [greedy])[0])
+    assert torch.isfinite(mixed[0]).all()  # every token ranked, none cut by top-k = 1
+    assert torch.equal(mixed[1], draft_tree._log_probs(logits[1:], [sampled])[0])
+    assert torch.isinf(mixed[1]).any()  # the sampled request's own top-p does cut its ranking
