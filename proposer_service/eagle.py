@@ -170,7 +170,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
         kernel = uses_kernel(self.head.backend)
         meta = build_metadata(spans, self.kv_cache.block_size, self.head.fc_weight.device, kernel=kernel)
         features = torch.cat([row[2] for row in rows])  # [T, hidden]
-        next_ids = torch.tensor([t for row in rows for t in row[3]], dtype=torch.int64)
+        next_ids = torch.tensor([t for row in rows for t in row[3]], dtype=torch.int64, device=features.device)
         hidden = self.head(features, next_ids, self.kv_cache.layers, meta)  # [T, hidden]
         return list(hidden.split([len(row[3]) for row in rows]))
 

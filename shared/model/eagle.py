@@ -162,10 +162,12 @@ class EagleHead(torch.nn.Module):
 
     @torch.inference_mode()
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:  # [T, feature_width] -> [T, hidden]
-        """The target's features of real positions -> the head's input g (EAGLE-1: the features themselves)."""
+        """The target's features of real positions -> the head's input g (EAGLE-1: the features themselves), on the
+        head's device (they arrive, and are kept, on the CPU)."""
+        features = features.to(device=self.embed_weight.device, dtype=self.dtype)
         if not self.fused:
-            return features.to(self.dtype)
-        return linear(_normalized_layers(features.to(self.dtype), len(self.feature_layers)), self.fuse_weight)
+            return features
+        return linear(_normalized_layers(features, len(self.feature_layers)), self.fuse_weight)
 
     @torch.inference_mode()
     def forward(
