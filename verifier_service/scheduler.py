@@ -90,7 +90,7 @@ class Scheduler:
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:  # preempted while making room for an older sequence
                 continue
-            item = self._schedule_running(seq, budget, plans.get(seq.seq_id, Plan(0)))
+            item = self._schedule_running(seq, budget, plans.get(seq.seq_id, Plan(0)), scheduled)
             if item is not None:
                 scheduled.append(item)
                 budget -= item.num_feed + item.draft_slots
@@ -149,7 +149,9 @@ class Scheduler:
             )
         return {seq.seq_id: plan for seq, plan in zip(decoding, plans, strict=True)}
 
-    def _schedule_running(self, seq: Sequence, budget: int, plan: Plan) -> ScheduledSeq | None:
+    def _schedule_running(
+        self, seq: Sequence, budget: int, plan: Plan, scheduled: list[ScheduledSeq]
+    ) -> ScheduledSeq | None:
         num_feed = min(seq.num_uncomputed, budget)
         if num_feed <= 0:
             return None
@@ -161,11 +163,24 @@ class Scheduler:
             if self._reserve(seq, seq.num_computed + num_feed + item.draft_slots):
                 return item
         while not self._reserve(seq, seq.num_computed + num_feed):
+            if self._drop_a_draft(scheduled):
+                continue
             victim = max(self.running, key=lambda s: s.arrival)
             self._preempt(victim)
             if victim is seq:
                 return None
         return ScheduledSeq(seq, num_feed, 0)
+
+    def _drop_a_draft(self, scheduled: list[ScheduledSeq]) -> bool:
+        """Under memory pressure drafts go before sequences: the newest sequence scheduled with draft slots this
+        step gives them back and decodes plainly. False when none has any (then a sequence is preempted)."""
+        for i in reversed(range(len(scheduled))):
+            item = scheduled[i]
+            if item.draft_slots:
+                self.blocks.rollback(item.seq.seq_id, item.seq.num_computed + item.num_feed)
+                scheduled[i] = ScheduledSeq(item.seq, item.num_feed, 0)
+                return True
+        return False
 
     def _admit(self, seq: Sequence, budget: int) -> ScheduledSeq | None:
         # The last token is always fed: its logits give the first new token.

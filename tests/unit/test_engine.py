@@ -10,13 +10,15 @@ import torch
 
 from proposer_service.ngram import NgramDrafter
 from shared.errors import InvalidRequestError, QueueFullError
+from shared.kv.block_manager import BlockManager
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
 from verifier_service.engine import Engine, EngineConfig
-from verifier_service.sequence import FinishReason
+from verifier_service.scheduler import Scheduler
+from verifier_service.sequence import FinishReason, Sequence
 
 VOCAB = 96
 EOS = VOCAB - 1
@@ -663,3 +665,29 @@ def test_a_new_proposer_stream_gets_each_sequence_whole_and_uncharged(target_hf,
     assert by_stream[1][-1][1] < by_stream[1][-1][0]  # then deltas
     assert by_stream[2][0][0] == by_stream[2][0][1]  # whole again on the new stream
     assert all(n < c for c, n in by_stream[2][1:])  # and deltas after it
+
+
+def _prefilled(scheduler: Scheduler, prompts: dict[str, list[int]]) -> None:
+    """The sequences admitted and prefilled, one token sampled each (as the engine commits a step)."""
+    for arrival, (seq_id, prompt) in enumerate(prompts.items()):
+        seq = Sequence(seq_id, prompt, SamplingParams(max_tokens=20), arrival)
+        seq.tokens = list(prompt)
+        scheduler.add(seq)
+    for item in scheduler.schedule():
+        item.seq.num_computed += item.num_feed
+        item.seq.tokens.append(9)
+
+
+def test_under_memory_pressure_an_older_sequences_draft_goes_before_a_newer_sequence():
+    """The scheduler's order (scheduler.py): draft slots are given back before any sequence is preempted. Two
+    sequences, one free block: the older one's k = 4 draft would take it, and the newer one could not decode."""
+    config = EngineConfig(num_speculative_tokens=4, max_num_seqs=4, max_model_len=64, adaptive_k=False)
+    blocks = BlockManager(5, 4)
+    scheduler = Scheduler(config, blocks)
+    _prefilled(scheduler, {"older": [1] * 7, "newer": [2] * 8})
+    step = {item.seq.seq_id: item.k for item in scheduler.schedule()}
+    assert step == {"older": 0, "newer": 0} and scheduler.num_preemptions == 0
+    blocks.check_invariants()
+    roomy = Scheduler(config, BlockManager(16, 4))  # with room for it, the draft is kept
+    _prefilled(roomy, {"older": [1] * 7, "newer": [2] * 8})
+    assert {item.seq.seq_id: item.k for item in roomy.schedule()} == {"older": 4, "newer": 4}
