@@ -5,14 +5,14 @@ stop_token_ids, ignore_eos), and so are the output formats beside OpenAI's respo
 (structured_outputs, guided_json / guided_regex / guided_grammar: openai_formats.py). Fields we do not
 implement are refused with a clear 400 when set to anything but their neutral value (n > 1, penalties, echo,
 best_of, logit_bias, tools), never silently ignored; unknown fields are ignored, as OpenAI-compatible
-servers do.
+servers do. An explicit null is the field's default, and top_k = -1 (vLLM's "off") is no top-k, as there.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gateway.openai_formats import structured_output_from_http
 from gateway.prepare import RequestFields
@@ -20,15 +20,26 @@ from shared.errors import InvalidRequestError
 from shared.logprobs import MAX_TOP_LOGPROBS
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body's object: unknown fields ignored, and an explicit null taken as the field's default, as
+    OpenAI's API and vLLM's take it (`"stream": null` is not streaming, `"n": null` one choice)."""
+
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
+
+
+class StreamOptions(_Body):
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
+class _Common(_Body):
     model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
@@ -80,7 +91,7 @@ class _Common(BaseModel):
             "max_tokens": max_tokens,
             "temperature": self.temperature,
             "top_p": self.top_p,
-            "top_k": self.top_k,
+            "top_k": 0 if self.top_k == -1 else self.top_k,  # vLLM's -1 (as its 0): no top-k
             "min_p": self.min_p,
             "seed": self.seed,
             "stop": stop,

@@ -220,3 +220,28 @@ def test_a_client_that_goes_away_cancels_the_verifier_call(tokenizer):
                 assert h.gateway.servicer.counters.active_requests == 0, body
 
     run(scenario())
+
+
+NULL_BODIES = [  # explicit nulls: the field's default, as OpenAI's API takes them
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "n": None, "stream": None, "echo": None}),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2, "presence_penalty": None, "top_k": -1}),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": CHAT, "max_tokens": 2, "logprobs": None, "frequency_penalty": None},
+    ),
+]
+
+
+def test_explicit_nulls_and_vllms_top_k_minus_one_are_the_defaults(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with harness(tokenizer, [fs]) as h, httpx.AsyncClient(base_url=h.gateway.http_url) as http:
+            for path, body in NULL_BODIES:
+                reply = await http.post(path, json=body)
+                assert reply.status_code == 200, reply.text
+                assert reply.json()["choices"][0]["finish_reason"] == "length"
+            assert [r.sampling_params.top_k for r in fs.fake.requests] == [0, 0, 0]
+            reply = await http.post("/v1/completions", json={"prompt": "x", "top_k": -2})
+            assert_error(reply, 400, "invalid_request_error", "top_k")
+
+    run(scenario())
