@@ -277,14 +277,15 @@ class GrammarMatcher:
         bitmask[row : row + len(draft_ids) + 1] = -1
         consumed = 0
         try:
-            for j, token in enumerate([*draft_ids, None]):
+            for j, token in enumerate(draft_ids):
                 self._fill_row(bitmask, row + j)
-                if token is None or not self._allowed(token, bitmask[row + j], eos_ends):
+                if not self._allowed(token, bitmask[row + j], eos_ends):
                     return j + 1
                 if token not in self.compiler.eos_token_ids:
                     self._matcher.consume_token(token)
                     consumed += 1
-            raise AssertionError("unreachable: the walk ends at the bonus position")
+            self._fill_row(bitmask, row + len(draft_ids))  # the bonus position
+            return len(draft_ids) + 1
         finally:
             if consumed:
                 self._matcher.rollback(consumed)
