@@ -80,6 +80,13 @@ class GatewayConfig(TLSConfig):
     http_keep_alive_s: float = field(
         default=5.0, metadata=_help("an idle HTTP keep-alive connection is closed after this many seconds")
     )
+    http_write_timeout_s: float = field(
+        default=60.0,
+        metadata=_help(
+            "an HTTP client that reads none of its reply for this many seconds (the send buffers full) is cut off "
+            "and its request cancelled, freeing its generation slot and KV blocks (nginx's send_timeout)"
+        ),
+    )
     enable_reflection: bool = field(
         default=False, metadata=_help("serve gRPC reflection on the public port (grpcurl without proto files)")
     )
@@ -186,8 +193,8 @@ class GatewayConfig(TLSConfig):
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
         if self.verifier_call_timeout_s <= 0:
             raise ValueError(f"verifier_call_timeout_s must be > 0, got {self.verifier_call_timeout_s}")
-        if self.http_read_timeout_s <= 0 or self.http_keep_alive_s <= 0:
-            raise ValueError("http_read_timeout_s and http_keep_alive_s must be > 0")
+        if min(self.http_read_timeout_s, self.http_keep_alive_s, self.http_write_timeout_s) <= 0:
+            raise ValueError("http_read_timeout_s, http_keep_alive_s and http_write_timeout_s must be > 0")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:
             raise ValueError("health check interval/timeout must be > 0 and drain_timeout_s >= 0")
         if self.api_key_max_concurrent_streams < 0 or self.api_key_max_tokens_per_minute < 0:

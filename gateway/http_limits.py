@@ -8,7 +8,9 @@ HTTP/1.1 adds (connections that send nothing, bodies that trickle in).
   (The generation requests of both ports together have their own cap in the core: RESOURCE_EXHAUSTED / 429.)
 - Time: a connection must complete a request's headers within --http-read-timeout-s of opening (or of its
   previous response) and its body within as long again, or it is closed (408 for a body); an idle keep-alive
-  connection is closed after --http-keep-alive-s.
+  connection is closed after --http-keep-alive-s. A client that stops reading its reply (the server's send
+  buffers full) for --http-write-timeout-s is cut off, as nginx's send_timeout does: the request is cancelled
+  and its KV blocks freed, instead of a generation slot held as long as the client keeps the socket open.
 - Connections: at most --http-max-connections open; one more is closed at once.
 
 /health is outside the body and request limits (the Kubernetes probes use the gRPC port's health service).
@@ -57,6 +59,7 @@ class HttpLimits:
     max_connections: int
     read_timeout_s: float  # a request's headers, and then its body, must arrive within this
     keep_alive_s: float  # an idle connection between requests
+    write_timeout_s: float = 60.0  # a reply the client does not read for this long ends the connection
 
 
 class LimitsMiddleware:
@@ -166,6 +169,7 @@ class BoundedBody:
 class ConnectionStats:
     closed_silent: int = 0  # closed for not sending a request's headers in time
     refused_over_limit: int = 0  # closed at once: --http-max-connections were open
+    closed_unread: int = 0  # cut off for not reading the reply for --http-write-timeout-s
 
 
 def guarded_protocol(
@@ -180,6 +184,7 @@ def guarded_protocol(
                 on_accept()
             super().__init__(*args, **kwargs)
             self._header_timer: asyncio.TimerHandle | None = None
+            self._write_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -198,9 +203,32 @@ def guarded_protocol(
             self._arm()  # before: the base class may start a pipelined request, which disarms it
             super().on_response_complete()
 
+        def pause_writing(self) -> None:
+            super().pause_writing()
+            if self._write_timer is None:
+                self._write_timer = self.loop.call_later(limits.write_timeout_s, self._unread)
+
+        def resume_writing(self) -> None:
+            self._cancel_write_timer()
+            super().resume_writing()
+
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._cancel_write_timer()
             super().connection_lost(exc)
+
+        def _cancel_write_timer(self) -> None:
+            if self._write_timer is not None:
+                self._write_timer.cancel()
+                self._write_timer = None
+
+        def _unread(self) -> None:
+            # abort, not close: close() waits for the unread buffer to drain, which is what never happens.
+            # connection_lost then ends the request as a disconnect does.
+            self._write_timer = None
+            stats.closed_unread += 1
+            log.info("event=http_write_timeout client=%s timeout_s=%g", self.client, limits.write_timeout_s)
+            self.transport.abort()
 
         def _arm(self) -> None:
             self._disarm()

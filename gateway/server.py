@@ -136,6 +136,7 @@ class _HttpServer:
             max_connections=config.http_max_connections,
             read_timeout_s=config.http_read_timeout_s,
             keep_alive_s=config.http_keep_alive_s,
+            write_timeout_s=config.http_write_timeout_s,
         )
         self.app = LimitsMiddleware(make_app(core, config.model_name()), self.limits)
         self.connection_stats = ConnectionStats()

@@ -74,6 +74,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
     eos_token_ids: tuple[int, ...] = ()  # reported in GetStats
     keepalive_s: float = 0.0  # first: empty messages every 0.1 s for this long (the request waits its turn)
     hold: asyncio.Event | None = None  # the final message waits until the test sets this
+    max_model_len: int = MAX_MODEL_LEN  # reported in GetStats
 
     def chunks(self, request: verifier_pb2.VerifierGenerateRequest) -> list[list[int]]:
         if self.script is not None:
@@ -140,7 +141,7 @@ class FakeVerifier(verifier_pb2_grpc.VerifierServicer):
         return verifier_pb2.VerifierGetStatsResponse(
             stats=common_pb2.EngineStats(running_requests=self.active),
             model="fake",
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=self.max_model_len,
             vocab_size=49152,
             eos_token_ids=self.eos_token_ids,
         )

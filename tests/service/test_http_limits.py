@@ -14,7 +14,9 @@ what a client that misbehaves at the HTTP level does.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 import time
 from typing import Any
 
@@ -163,6 +165,59 @@ def test_connections_past_the_limit_are_closed_at_once(tokenizer):
             await asyncio.sleep(0.2)
             reply, _ = await raw_exchange(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             assert status_of(reply) == 200
+
+    run(scenario())
+
+
+async def open_unread_stream(h: Harness, max_tokens: int) -> socket.socket:
+    """A streaming request on a socket whose buffers (ours and the server's) are a few KiB, so that a client
+    that stops reading fills them within a few hundred tokens instead of megabytes of loopback buffers."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", h.gateway.http.port))
+    body = json.dumps({"prompt": "Hi", "max_tokens": max_tokens, "stream": True, "return_token_ids": True}).encode()
+    sock.send(post_head("/v1/completions", len(body)) + body)
+    while not h.gateway.http.server.server_state.connections:
+        await asyncio.sleep(0.01)
+    for conn in h.gateway.http.server.server_state.connections:
+        conn.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    return sock
+
+
+def test_a_client_that_stops_reading_is_cut_off_and_its_request_cancelled(tokenizer):
+    async def scenario() -> None:
+        # The verifier would stream 200k tokens and then hold the call open: only the gateway can end it.
+        fs = await start_fake(chunk_size=256, hang=True, max_model_len=1 << 20)
+        async with http_harness(tokenizer, [fs], http_write_timeout_s=0.5, max_tokens_limit=1 << 20) as h:
+            started = time.monotonic()
+            sock = await open_unread_stream(h, 200_000)
+            await asyncio.wait_for(fs.fake.cancelled.wait(), 10)
+            assert time.monotonic() - started >= 0.5  # not before the timeout
+            assert h.gateway.http.connection_stats.closed_unread == 1
+            await asyncio.sleep(0.2)  # the grant is released as the response unwinds
+            assert fs.fake.active == 0 and h.gateway.servicer.core.active_generations == 0
+            sock.close()
+            async with httpx.AsyncClient(base_url=h.gateway.http_url) as http:  # the port serves on
+                ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
+                assert ok.status_code == 200
+
+    run(scenario())
+
+
+def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off(tokenizer):
+    async def scenario() -> None:
+        fs = await start_fake(chunk_size=256, hang=True, max_model_len=1 << 20)
+        async with http_harness(tokenizer, [fs], http_write_timeout_s=1.0, max_tokens_limit=1 << 20) as h:
+            sock = await open_unread_stream(h, 200_000)
+            received = 0
+            for _ in range(30):  # 3 s, three timeouts, with the send buffers full between reads
+                await asyncio.sleep(0.1)
+                with contextlib.suppress(BlockingIOError):
+                    received += len(sock.recv(64 * 1024))
+            assert received > 64 * 1024 and h.gateway.http.connection_stats.closed_unread == 0
+            assert not fs.fake.cancelled.is_set() and fs.fake.active == 1
+            sock.close()
 
     run(scenario())
 
