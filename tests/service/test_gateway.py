@@ -363,6 +363,41 @@ def test_bad_input_is_invalid_argument_and_leaves_running_requests_alone(tokeniz
     run(scenario())
 
 
+def test_bytes_that_are_not_the_request_message_are_invalid_argument_on_every_server(tokenizer):
+    """grpcio answers a message that does not parse with UNKNOWN and the exception's class, as if the server had
+    failed; every service's server (shared/grpc_server.py) says INVALID_ARGUMENT and which message it wanted."""
+    corrupt = b"\xff\xff\xff"
+
+    def raw(channel: grpc.aio.Channel, method: str, streaming: bool) -> Any:
+        make = channel.unary_stream if streaming else channel.unary_unary
+        call = make(method, request_serializer=lambda b: b, response_deserializer=lambda b: b)(corrupt)
+
+        async def drain() -> None:
+            async for _ in call:
+                pass
+
+        return drain() if streaming else call
+
+    async def scenario() -> None:
+        fs = await start_fake()
+        async with Harness(tokenizer, [fs]) as h, grpc.aio.insecure_channel(fs.address) as to_verifier:
+            for channel, method, streaming, message in [
+                (h.channel, "/specdec.v1.Gateway/Generate", True, "specdec.v1.GenerateRequest"),
+                (h.channel, "/specdec.v1.Gateway/Complete", False, "specdec.v1.CompleteRequest"),
+                (to_verifier, "/specdec.v1.Verifier/Generate", True, "specdec.v1.VerifierGenerateRequest"),
+                (to_verifier, "/specdec.v1.Verifier/GetStats", False, "specdec.v1.VerifierGetStatsRequest"),
+            ]:
+                details = await expect_error(
+                    raw(channel, method, streaming), grpc.StatusCode.INVALID_ARGUMENT, "the request is not a valid"
+                )
+                assert message in details and "DecodeError" not in details
+            assert fs.fake.requests == []
+            ids, _ = joined(await h.generate(prompt_token_ids=[1, 2], max_tokens=4))  # both serve on
+            assert ids == counting(2, 4)
+
+    run(scenario())
+
+
 def test_verifier_errors_pass_through_unchanged(tokenizer):
     async def scenario() -> None:
         fs = await start_fake()
