@@ -121,7 +121,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_drafted: int = 0  # draft tokens scored (a tree's nodes)
-    num_accepted: int = 0
+    num_accepted: int = 0  # drafts accepted and emitted (none past the token that finished the request)
     prompt_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     draft_depth: int = 0  # draft positions: a chain's length, a tree's depth (per-position acceptance counts these)
@@ -628,7 +628,6 @@ class Engine:
         num_accepted = len(tokens) - 1
         # K/V were written for the fed tokens and all drafts; only the accepted drafts' stay valid.
         seq.num_computed += s.num_feed + num_accepted
-        self._update_stats(seq, draft, tokens, s.k)
         new_tokens = []
         for token in tokens:
             seq.tokens.append(token)
@@ -637,7 +636,11 @@ class Engine:
             if seq.finish_reason is not None:
                 break
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
-        out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_accepted, len(seq.prompt_ids))
+        # Drafts accepted past an EOS, a stop token or the length limit are never emitted: the counts say what
+        # the client got (the policy still learns from the whole verdict, which measured agreement all the same).
+        num_emitted_drafts = min(num_accepted, len(new_tokens))
+        self._update_stats(seq, draft, tokens, s.k, len(new_tokens))
+        out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_emitted_drafts, len(seq.prompt_ids))
         out.draft_depth, out.tree = (draft.depth(), draft.is_tree) if draft is not None else (0, False)
         out.num_cached_prompt = seq.num_cached_prompt or 0
         if seq.is_finished:
@@ -649,12 +652,16 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int) -> None:
+    def _update_stats(
+        self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int, num_emitted: int
+    ) -> None:
         """`tokens`: the accepted drafts, then the target's own token; `depth`: the draft depth asked for (a tree that
-        stopped short of it, all accepted, fell short of what a tree that deep is expected to accept)."""
+        stopped short of it, all accepted, fell short of what a tree that deep is expected to accept);
+        `num_emitted`: how many of `tokens` came before the sequence finished, its last one included."""
         num_accepted = len(tokens) - 1
+        num_emitted_drafts = min(num_accepted, num_emitted)
         self.stats.sequence_steps += 1
-        self.stats.emitted_tokens += len(tokens)
+        self.stats.emitted_tokens += num_emitted
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
             if draft.is_tree:  # a chain's verdict for alpha: the tree's best-guess path's
@@ -666,9 +673,9 @@ class Engine:
             self.scheduler.policy.record_acceptance(seq.params.is_greedy, drafted, accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
-            self.stats.accepted_tokens += num_accepted
+            self.stats.accepted_tokens += num_emitted_drafts
             seq.num_drafted += k
-            seq.num_accepted += num_accepted
+            seq.num_accepted += num_emitted_drafts
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params

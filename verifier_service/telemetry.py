@@ -424,7 +424,7 @@ class VerifierTelemetry:
         offset = self._offset_ns
         k = [o.num_drafted for o in outputs]
         accepted = [o.num_accepted for o in outputs]
-        drafted, num_accepted, emitted = sum(k), sum(accepted), sum(accepted) + len(outputs)
+        drafted, num_accepted, emitted = sum(k), sum(accepted), sum(len(o.new_token_ids) for o in outputs)
         self.tracer.start_span(
             "score", context=ctx, start_time=_ns(proposed, offset), attributes={"specdec.scored_tokens": drafted}
         ).end(end_time=_ns(scored, offset))
@@ -472,7 +472,7 @@ class VerifierTelemetry:
                         "specdec.step": number,
                         "specdec.k": out.num_drafted,
                         "specdec.accepted": out.num_accepted,
-                        "specdec.emitted": out.num_accepted + 1,
+                        "specdec.emitted": len(out.new_token_ids),
                     },
                 )
                 req.num_steps += 1

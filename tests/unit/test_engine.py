@@ -120,6 +120,31 @@ def test_stops_on_eos_stop_ids_and_max_tokens(target_hf, target):
     assert results["len"].finish_reason == FinishReason.LENGTH
 
 
+def test_drafts_accepted_past_the_finishing_token_are_not_counted(target_hf, target):
+    """A draft equal to the target accepts all k drafts; a stop token among them ends the request there, and the
+    drafts after it were never emitted: the counts (usage, engine stats, spans) are of what the client got."""
+    p = prompts(1, seed=7)[0]
+    free_run = hf_greedy(target_hf, p, 30, eos=False)
+    engine = engine_with(target, "same", k=4)
+    emitted = 0
+    mid_draft = 0
+    for stop_at in range(4, 14):  # some land on a bonus token, most among the drafts
+        stop_token = free_run[stop_at]
+        params = SamplingParams(max_tokens=30, stop_token_ids=(stop_token,), ignore_eos=True)
+        engine.add_request(f"s{stop_at}", p, params)
+        while engine.has_unfinished():
+            for out in engine.step():
+                emitted += len(out.new_token_ids)
+                assert out.num_accepted <= len(out.new_token_ids)
+                if not out.finished:
+                    assert out.num_accepted == len(out.new_token_ids) - 1 == out.num_drafted or out.num_drafted == 0
+                elif out.num_drafted and out.num_accepted == len(out.new_token_ids):
+                    mid_draft += 1  # every emitted token a draft: it ended before the bonus token
+        assert out.output_ids == free_run[: free_run.index(stop_token) + 1]
+    assert mid_draft > 0
+    assert engine.stats.emitted_tokens == emitted
+
+
 def test_eos_stops_unless_ignored(target):
     engine = engine_with(target, None, k=0)
     # A target whose EOS is forced: every token is EOS when its logit dominates, so use the model's own
