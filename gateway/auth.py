@@ -9,8 +9,9 @@ Key file (`--api-keys-file`), one key a line, `#` starts a comment, blank lines 
 
 - `KEY_OR_SHA256`: the key itself, or `sha256:<64 hex digits>` of it (so the file need not hold the key).
 - `NAME` (letters, digits, `._@-`): what logs, spans and metric labels show; keys are never logged. Without
-  a name the key is shown as `sha256:` plus the first 8 hex digits of its digest. Keys sharing a name (a
-  rotation: old and new key of one client) share its limits.
+  a name the key is shown as `sha256:` plus the first 8 hex digits of its digest, and it is its own client
+  (limits, cached prompts) by the whole digest: two unnamed keys whose shown digits collide stay apart. Keys
+  sharing a name (a rotation: old and new key of one client) share its limits and cached prompts.
 - `max_streams=N`, `tpm=N`: this name's limits instead of `--api-key-max-concurrent-streams` and
   `--api-key-max-tokens-per-minute` (0: unlimited).
 
@@ -49,10 +50,15 @@ class KeyFileError(ValueError):
 
 @dataclass(frozen=True)
 class ApiKey:
-    name: str
+    name: str  # what logs and metrics show
     digest: bytes  # SHA-256 of the key
     max_streams: int | None = None  # None: the flag's default
     tokens_per_minute: int | None = None
+    client: str = ""  # who shares limits and cached prompts: the name, or for an unnamed key the whole digest
+
+    def __post_init__(self) -> None:
+        if not self.client:
+            object.__setattr__(self, "client", self.name)
 
 
 def key_digest(key: str) -> bytes:
@@ -72,7 +78,7 @@ def parse_key_file(text: str, source: str = "api keys file") -> dict[bytes, ApiK
         if key.digest in keys:
             raise KeyFileError(f"{where}: the same key as on an earlier line")
         limits = (key.max_streams, key.tokens_per_minute)
-        if limits_of.setdefault(key.name, limits) != limits:
+        if limits_of.setdefault(key.client, limits) != limits:
             raise KeyFileError(f"{where}: name {key.name!r} appears earlier with other limits")
         keys[key.digest] = key
     return keys
@@ -111,7 +117,8 @@ def _parse_line(tokens: list[str], where: str) -> ApiKey:
         if not value.isdigit():
             raise KeyFileError(f"{where}: {option} must be a whole number >= 0 (0: unlimited)")
         options[_OPTIONS[option]] = int(value)
-    return ApiKey(name or f"sha256:{digest.hex()[:8]}", digest, **options)
+    client = name or f"sha256:{digest.hex()}"
+    return ApiKey(name or f"sha256:{digest.hex()[:8]}", digest, client=client, **options)
 
 
 class KeyFile:
@@ -191,10 +198,18 @@ class _Usage:
 
 class Grant:
     """An admitted request: its key's name, the stream slot it holds (a context manager releases it) and
-    its token charges. `Grant()` is the grant of a gateway without keys."""
+    its token charges. `Grant()` is the grant of a gateway without keys. `tenant`: whose cached prompts it may
+    reuse (ApiKey.client; '' = anonymous)."""
 
-    def __init__(self, name: str = "", usage: _Usage | None = None, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        name: str = "",
+        usage: _Usage | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        tenant: str | None = None,
+    ):
         self.name = name
+        self.tenant = name if tenant is None else tenant
         self._usage = usage
         self._clock = clock
         self._on_release: list[Callable[[], object]] = []  # other slots it holds (the core's generation cap)
@@ -268,9 +283,9 @@ class ApiKeyAuth:
         """identify(), then (with `limits`) take one of the key's stream slots if its limits allow."""
         key = self.identify(authorization)
         if not limits:
-            return Grant(key.name)
+            return Grant(key.name, tenant=key.client)
         now = self._clock()
-        usage = self._usage.setdefault(key.name, _Usage())
+        usage = self._usage.setdefault(key.client, _Usage())
         max_streams = self.max_streams if key.max_streams is None else key.max_streams
         tpm = self.tokens_per_minute if key.tokens_per_minute is None else key.tokens_per_minute
         if max_streams and usage.streams >= max_streams:
@@ -291,4 +306,4 @@ class ApiKeyAuth:
                 "tokens_per_minute",
             )
         usage.streams += 1
-        return Grant(key.name, usage, self._clock)
+        return Grant(key.name, usage, self._clock, key.client)

@@ -218,7 +218,7 @@ class GatewayCore:
             # Off the event loop: a long prompt or a large format must not stall every other stream and the health
             # checks.
             vocab = self.router.vocab_limit()
-            prepared = await asyncio.to_thread(self.preparer.prepare_request, fields, vocab, internal_id, grant.name)
+            prepared = await asyncio.to_thread(self.preparer.prepare_request, fields, vocab, internal_id, grant.tenant)
             grant.charge(len(prepared.prompt_ids))
             final: Final | None = None
             async with contextlib.aclosing(self._resume_loop(prepared, run, context)) as parts:

@@ -182,6 +182,34 @@ def test_concurrent_streams_per_name_with_a_retry_hint_and_release(tmp_path):
     second.release()
 
 
+def two_keys_whose_shown_digests_collide() -> tuple[str, str]:
+    """A birthday search over 32 bits: about 80,000 hashes."""
+    seen: dict[str, str] = {}
+    for i in range(1 << 20):
+        key = f"sk-{i}"
+        shown = hashlib.sha256(key.encode()).hexdigest()[:8]
+        if shown in seen:
+            return seen[shown], key
+        seen[shown] = key
+    raise AssertionError("no collision in 2^20 keys")
+
+
+def test_unnamed_keys_whose_shown_digits_collide_are_still_two_clients(tmp_path):
+    first_key, second_key = two_keys_whose_shown_digests_collide()
+    auth, _ = make_auth(tmp_path, f"{first_key} max_streams=1\n{second_key} max_streams=1\n")
+    first, second = auth.admit(bearer(first_key)), auth.admit(bearer(second_key))  # a slot each
+    assert first.name == second.name  # what logs show: the same 8 digits
+    assert first.tenant != second.tenant  # cached prompts kept apart
+    with pytest.raises(RateLimitedError):
+        auth.admit(bearer(first_key))
+    first.release()
+    second.release()
+    # Other limits for each: two clients, not one name given two sets of limits.
+    make_auth(tmp_path, f"{first_key} max_streams=1\n{second_key} max_streams=3\n")
+    named = make_auth(tmp_path, f"{first_key} app\n{second_key} app\n")[0]
+    assert named.admit(bearer(first_key)).tenant == named.admit(bearer(second_key)).tenant == "app"
+
+
 def test_tokens_per_minute_sliding_window(tmp_path):
     auth, clock = make_auth(tmp_path, f"{KEY_A} app\n{KEY_B} small tpm=5\n", tokens_per_minute=100)
     with auth.admit(bearer(KEY_A)) as grant:
