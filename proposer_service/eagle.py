@@ -25,7 +25,7 @@ import torch
 
 from proposer_service.draft_tree import Expansion
 from proposer_service.paged_drafter import PagedDrafter, draft_generator
-from shared.drafting import DraftRequest, FeatureStore
+from shared.drafting import FEATURE_WINDOW, DraftRequest, FeatureStore
 from shared.grammar import GrammarCompiler
 from shared.kv.block_manager import BlockManager
 from shared.kv.cache import KVCache
@@ -195,6 +195,7 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             if state.num_exact == start:
                 state.num_exact = start + len(ids)
             state.num_done, state.last_hidden = start + len(ids), out[-1]
+            state.features.trim(state.num_done - FEATURE_WINDOW)  # the head's K/V holds what came before
         self._fill([(req.seq_id, tokens, len(tokens) - 1) for req, tokens in active])
 
     def _fill(self, gaps: list[tuple[str, list[int], int]]) -> None:

@@ -149,13 +149,18 @@ class SequenceHistory:
         self.tokens.pop(seq_id, None)
 
 
+FEATURE_WINDOW = 256  # positions of features kept behind those a store's reader has consumed (see trim)
+
+
 class FeatureStore:
     """The target's final hidden states of one sequence's positions [start, end), in order (verifier and
     EAGLE drafter alike).
 
     Positions whose K/V came from the verifier's prefix cache were never computed and have none: features
     then start later than 0 (the drafter fills what it lacks itself). A recompute after preemption overlaps
-    positions already held and adds nothing for them."""
+    positions already held and adds nothing for them. Both holders trim what they have consumed to a window
+    (`trim`): a store of every position grew with the sequence outside any memory budget (an EAGLE-3 head on
+    a 4096-wide target: 24 KB a position)."""
 
     def __init__(self) -> None:
         self.start = 0
@@ -170,6 +175,22 @@ class FeatureStore:
         if skip < hidden.shape[0]:
             self._chunks.append((self.end, hidden[skip:]))
             self.end += hidden.shape[0] - skip
+
+    def trim(self, position: int) -> None:
+        """Forget the features before `position`; the rest keep theirs. A reader that later wants the older
+        ones (a resync, a head whose blocks were evicted) finds the store starting later, as after a prefix-cache
+        hit, and fills the gap from the head's own guesses."""
+        position = min(position, self.end)
+        if position <= self.start:
+            return
+        kept = []
+        for first, tensor in self._chunks:
+            if first + tensor.shape[0] <= position:
+                continue
+            if first < position:  # a copy: a view would keep the whole chunk (a prefill's) alive
+                tensor, first = tensor[position - first :].clone(), position
+            kept.append((first, tensor))
+        self._chunks, self.start = kept, position
 
     def since(self, position: int) -> tuple[int, torch.Tensor | None]:
         """(first position, features [end - first, hidden]) from `position` on, or (end, None)."""

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shared.drafting import Draft, Drafter, DraftRequest, FeatureStore
+from shared.drafting import FEATURE_WINDOW, Draft, Drafter, DraftRequest, FeatureStore
 from shared.errors import InvalidRequestError, QueueFullError
 from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
@@ -579,6 +579,7 @@ class Engine:
         if seq.features is not None and self.keeps_features:
             feature_start, features = seq.features.since(seq.num_features_sent)
             seq.num_features_sent = seq.features.end
+            seq.features.trim(seq.features.end - FEATURE_WINDOW)  # kept only for a resync: its recent part
         seq.num_sent_to_proposer = committed
         return DraftRequest(
             seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes

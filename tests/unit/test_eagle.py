@@ -211,6 +211,55 @@ def test_feature_store_overlaps_and_gaps():
     assert (store.start, store.end) == (10, 11)
 
 
+def test_feature_store_trim_keeps_the_rest_and_frees_the_chunk():
+    store = FeatureStore()
+    store.add(0, torch.arange(6.0).unsqueeze(1))  # one chunk, positions 0..5
+    store.add(6, torch.tensor([[6.0], [7.0]]))
+    store.trim(4)
+    assert (store.start, store.end) == (4, 8) and store.since(0)[0] == 4
+    assert store.get(4, 8).flatten().tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert store._chunks[0][1]._base is None  # a copy of the kept rows, not a view keeping all six alive
+    store.trim(2)  # behind the start: nothing
+    assert store.start == 4
+    store.trim(100)  # past the end: empty, and the next positions start it again
+    assert (store.start, store.end) == (8, 8) and store.since(0) == (8, None)
+    store.add(8, torch.ones(2, 1))
+    assert (store.start, store.end) == (8, 10)
+
+
+def test_trimmed_feature_stores_stay_bounded_and_draft_the_same(tmp_path, target_hf, target, monkeypatch):
+    """Verifier and head keep features only a window behind what they consumed: nothing read in a normal run
+    is lost (the same drafts, the same acceptance), and the stores no longer grow with the sequence."""
+    import proposer_service.eagle as eagle_module
+    import verifier_service.engine as engine_module
+
+    folder = str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB)))
+    ps = prompts(3, seed=21)
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    runs = []
+    for window in (1 << 20, 2):
+        monkeypatch.setattr(engine_module, "FEATURE_WINDOW", window)
+        monkeypatch.setattr(eagle_module, "FEATURE_WINDOW", window)
+        drafter = make_eagle_drafter(folder, *embeddings(target), num_blocks=256, block_size=4)
+        engine = engine_with_eagle(target, drafter, k=3)
+        for i, p in enumerate(ps):
+            engine.add_request(f"r{i}", p, params)
+        outs, longest = {}, 0
+        while engine.has_unfinished():
+            outs.update({o.request_id: o.output_ids for o in engine.step() if o.finished})
+            for seq in engine.scheduler.running:
+                if seq.features is not None:
+                    assert seq.features.start >= seq.num_features_sent - window
+                    longest = max(longest, seq.features.end - seq.features.start)
+            for state in drafter.states.values():
+                assert state.features.start >= state.num_done - window
+        runs.append((outs, engine.stats.drafted_tokens, engine.stats.accepted_tokens, longest))
+    (untrimmed, drafted, accepted, long_store), (trimmed, drafted2, accepted2, short_store) = runs
+    assert trimmed == untrimmed == {f"r{i}": hf_greedy(target_hf, p, 60, eos=False) for i, p in enumerate(ps)}
+    assert (drafted2, accepted2) == (drafted, accepted) and drafted > 0
+    assert long_store > 60 and short_store <= 2 + 3 + 1 + 30  # window + a step's rows (a prompt's at most)
+
+
 def engine_with_eagle(target, drafter, k=3, max_num_seqs=4, num_blocks=None, **kw):
     kw.setdefault("adaptive_k", False)
     config = EngineConfig(num_speculative_tokens=k, max_num_seqs=max_num_seqs, max_model_len=128, **kw)
