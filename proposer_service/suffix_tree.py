@@ -230,9 +230,13 @@ class SuffixTree:
                 del parent.children[node.token]
                 self.num_nodes -= 1
                 continue
-            if node.seq is seq and node.children:  # its edge reads a sequence going away: read another's copy
-                child = next(iter(node.children.values()))
-                node.seq, node.pos = child.seq, child.pos - node.length
+            if node.seq is seq:  # its edge reads a sequence going away
+                child = next(iter(node.children.values()), None)
+                if child is not None and child.seq is not seq:  # read another's copy
+                    node.seq, node.pos = child.seq, child.pos - node.length
+                elif child is None:  # a leaf: the same string in other sequences; keep a copy of it alone
+                    node.seq, node.pos = _own_copy(node, seq)
+                # else a child still reads `seq`: a later string of it passes through both and comes back here
             if node.ends == 0 and len(node.children) == 1:  # unary, same count as its child: merge them
                 (child,) = node.children.values()
                 child.pos -= node.length
@@ -240,8 +244,6 @@ class SuffixTree:
                 child.token, child.parent = node.token, parent
                 parent.children[node.token] = child
                 self.num_nodes -= 1
-        # A childless node whose edge still reads `seq` keeps that array alive until the node goes: rare (the
-        # same max_depth-long string in several sequences), and bounded by the nodes.
 
     # ---- reading -------------------------------------------------------------------------------
 
@@ -312,6 +314,18 @@ class SuffixTree:
                 if prob >= min_prob:
                     heapq.heappush(heap, (-prob, next(order), child, 0, parent))
         return Continuation(tokens, parents, probs)
+
+
+def _own_copy(leaf: Node, seq: array) -> tuple[array, int]:
+    """The leaf's string from the root (at most max_depth tokens) copied out of `seq`, and the edge's place in
+    it: the whole string, since a merge with the parent or the parent reading this copy reads the tokens before
+    the edge. An evicted request's array would otherwise stay alive as long as the leaf."""
+    depth, node = 0, leaf
+    while node.parent is not None:
+        depth += node.length
+        node = node.parent
+    end = leaf.pos + leaf.length
+    return array("i", seq[end - depth : end]), depth - leaf.length
 
 
 def _common(child: Node, seq: array, a: int, b: int) -> int:

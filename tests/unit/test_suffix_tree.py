@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import tracemalloc
+from array import array
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -45,11 +46,20 @@ class Reference:
         return {t: c for t, c in counts.items() if c}
 
 
-def check_structure(tree: SuffixTree) -> None:
-    stack, seen = [tree.root], 0
+def check_structure(tree: SuffixTree, removed: list[array] = ()) -> None:
+    """`removed`: arrays of sequences no longer in the tree, which no node may read (or keep alive)."""
+    stack, seen, paths = [tree.root], 0, {id(tree.root): []}
     while stack:
         node = stack.pop()
         seen += 1
+        path = paths.pop(id(node))
+        # The array a node reads holds its whole string from the root, not just its edge: a merge with its
+        # parent (on a removal) or its parent re-pointed at it reads the tokens before the edge.
+        assert node.pos + node.length - len(path) >= 0
+        assert list(node.seq[node.pos + node.length - len(path) : node.pos + node.length]) == path
+        assert all(node.seq is not gone for gone in removed), "a node reads a removed sequence's array"
+        for child in node.children.values():
+            paths[id(child)] = path + list(child.seq[child.pos : child.pos + child.length])
         assert node.count == node.ends + sum(c.count for c in node.children.values())
         for token, child in node.children.items():
             assert child.parent is node and child.token == token == child.edge_token(0)
@@ -61,8 +71,8 @@ def check_structure(tree: SuffixTree) -> None:
     assert tree.num_tokens == sum(len(s.tokens) for s in tree.sequences.values())
 
 
-def check_against(tree: SuffixTree, ref: Reference) -> None:
-    check_structure(tree)
+def check_against(tree: SuffixTree, ref: Reference, removed: list[array] = ()) -> None:
+    check_structure(tree, removed)
     for pattern in ref.substrings():
         found = tree.find(list(pattern))
         assert found is not None, pattern
@@ -90,14 +100,16 @@ operations = st.lists(
 @given(depth=st.integers(2, 7), ops=operations)
 def test_counts_and_active_ends_match_the_reference(depth, ops):
     tree, ref = SuffixTree(depth), Reference(depth)
+    removed = []
     for op, key, tokens in ops:
         if op == "extend":
             tree.extend(key, tokens)
             ref.seqs.setdefault(key, []).extend(tokens)
         elif key in ref.seqs:
+            removed.append(tree.tokens(key))
             tree.remove(key)
             del ref.seqs[key]
-        check_against(tree, ref)
+        check_against(tree, ref, removed)
     for key in list(ref.seqs):
         tree.remove(key)
     assert tree.num_nodes == 1 and tree.num_tokens == 0 and tree.root.count == 0 and not tree.root.children
