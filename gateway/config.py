@@ -80,6 +80,15 @@ class GatewayConfig(TLSConfig):
     http_keep_alive_s: float = field(
         default=5.0, metadata=_help("an idle HTTP keep-alive connection is closed after this many seconds")
     )
+    http_sse_keepalive_s: float = field(
+        default=15.0,
+        metadata=_help(
+            "a streamed HTTP request that has no token yet after this many seconds (queued on its verifier, or a "
+            "long prompt) starts its event stream with a ': keep-alive' comment, and another every as many "
+            "seconds until its first token, so that proxies do not cut an idle connection; an error after that "
+            "arrives as an error event. 0: off (the status waits for the first token)"
+        ),
+    )
     http_write_timeout_s: float = field(
         default=60.0,
         metadata=_help(
@@ -193,6 +202,8 @@ class GatewayConfig(TLSConfig):
             raise ValueError(f"stream_idle_timeout_s must be > 0, got {self.stream_idle_timeout_s}")
         if self.verifier_call_timeout_s <= 0:
             raise ValueError(f"verifier_call_timeout_s must be > 0, got {self.verifier_call_timeout_s}")
+        if self.http_sse_keepalive_s < 0:
+            raise ValueError(f"http_sse_keepalive_s must be >= 0, got {self.http_sse_keepalive_s}")
         if min(self.http_read_timeout_s, self.http_keep_alive_s, self.http_write_timeout_s) <= 0:
             raise ValueError("http_read_timeout_s, http_keep_alive_s and http_write_timeout_s must be > 0")
         if self.health_check_interval_s <= 0 or self.health_check_timeout_s <= 0 or self.drain_timeout_s < 0:

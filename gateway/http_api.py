@@ -7,9 +7,10 @@
 
 Each request is admitted by the core (the `Authorization: Bearer <key>` header, as on gRPC), validated,
 and run by `GatewayCore.generate`; its chunks become OpenAI JSON or SSE events (`data: {...}` lines, then
-`data: [DONE]`). Errors are OpenAI's shape, {"error": {"message", "type", "param", "code"}}, with the
-status of shared/errors.py's mapping. A client that disconnects cancels the request: its verifier call is
-cancelled and the verifier frees its KV blocks.
+`data: [DONE]`; a request still waiting for its first token after --http-sse-keepalive-s gets its stream
+started with `: keep-alive` comments meanwhile). Errors are OpenAI's shape,
+{"error": {"message", "type", "param", "code"}}, with the status of shared/errors.py's mapping. A client that
+disconnects cancels the request: its verifier call is cancelled and the verifier frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -97,9 +98,9 @@ def _error_code(err: Exception, code_name: str) -> str | None:
     return None
 
 
-def make_app(core: GatewayCore, model_name: str) -> FastAPI:
+def make_app(core: GatewayCore, model_name: str, sse_keepalive_s: float = 0.0) -> FastAPI:
     app = FastAPI(title="specdec OpenAI-compatible API", docs_url=None, redoc_url=None, openapi_url=None)
-    api = _Api(core, model_name)
+    api = _Api(core, model_name, sse_keepalive_s)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -120,9 +121,10 @@ def make_app(core: GatewayCore, model_name: str) -> FastAPI:
 
 
 class _Api:
-    def __init__(self, core: GatewayCore, model_name: str) -> None:
+    def __init__(self, core: GatewayCore, model_name: str, sse_keepalive_s: float = 0.0) -> None:
         self.core = core
         self.model_name = model_name
+        self.sse_keepalive_s = sse_keepalive_s
         self.tokens = TokenText(core.preparer.tokenizer)
 
     # -- endpoints ---------------------------------------------------------------------------------
@@ -169,20 +171,24 @@ class _Api:
             call = HttpCall()
             parts = self.core.generate(fields, call, grant)
             if body.stream:
-                try:  # the first chunk: a request refused before any token gets its HTTP status
-                    first = await _watch_disconnect(request, call, parts.__anext__())
+                # The first chunk: a request refused before any token gets its HTTP status, unless it waited so
+                # long for it that the stream started with keep-alive comments (then an error event).
+                pending = asyncio.ensure_future(_next(parts))
+                try:
+                    first = await _watch_disconnect(request, call, _first_chunk(pending, self.sse_keepalive_s))
                 except (SpecdecError, VerifierError, _ClientGone) as err:
                     call.close()
+                    await _cancel(pending)
                     await parts.aclose()
                     return error_response(err) if not isinstance(err, _ClientGone) else JSONResponse({}, 499)
-                except StopAsyncIteration:
-                    first = None
                 stack.pop_all()  # the stream now owns the grant
-                events = reply.sse(first, parts, call, grant)
+                waiting = pending if first is _WAITING else None
+                events = reply.sse(None if first in (_WAITING, _END) else first, parts, call, grant, waiting)
 
                 async def close() -> None:
                     await events.aclose()
                     call.close()
+                    await _cancel(pending)
                     await parts.aclose()
                     grant.release()
 
@@ -232,6 +238,31 @@ class _SseResponse(StreamingResponse):
 
 class _ClientGone(Exception):
     """The HTTP client disconnected before its reply was ready."""
+
+
+_END = object()  # the core's generator ended
+_WAITING = object()  # no first chunk yet: the stream starts with keep-alive comments
+
+
+async def _next(parts: AsyncGenerator[Any, None]) -> Any:
+    try:
+        return await parts.__anext__()
+    except StopAsyncIteration:
+        return _END
+
+
+async def _first_chunk(pending: asyncio.Future[Any], keepalive_s: float) -> Any:
+    """The first chunk, or _WAITING once `keepalive_s` passed without one (0: wait as long as it takes)."""
+    done, _ = await asyncio.wait({pending}, timeout=keepalive_s or None)
+    return pending.result() if done else _WAITING
+
+
+async def _cancel(task: asyncio.Future[Any]) -> None:
+    """A pending `_next` must end before its generator can be closed."""
+    if not task.done():
+        task.cancel()
+    with contextlib.suppress(BaseException):
+        await task
 
 
 async def _watch_disconnect(request: Request, call: HttpCall, work: Any) -> Any:
@@ -309,16 +340,24 @@ class _Reply:
         parts: AsyncGenerator[tuple[str, Chunk, Final | None], None],
         call: HttpCall,
         grant: Grant,
+        waiting: asyncio.Future[Any] | None = None,
     ) -> AsyncGenerator[str, None]:
-        """SSE events; Starlette cancels this generator when the client disconnects, which ends the request."""
+        """SSE events; Starlette cancels this generator when the client disconnects, which ends the request.
+        `waiting`: the first chunk, still to come: a comment now and every keep-alive interval until it does."""
         try:
-            if first is not None:
-                self.id = first[0]
-                if self.chat:  # OpenAI's first chat chunk carries the role
-                    yield self._event(self._chat_choice({"role": "assistant", "content": ""}, None, None))
-                async for event in self._chunk_events(*first):
-                    yield event
             try:
+                if waiting is not None:
+                    yield ": keep-alive\n\n"
+                    while not (await asyncio.wait({waiting}, timeout=self.api.sse_keepalive_s))[0]:
+                        yield ": keep-alive\n\n"
+                    first = waiting.result()  # raises a refusal: the error event below
+                    first = None if first is _END else first
+                if first is not None:
+                    self.id = first[0]
+                    if self.chat:  # OpenAI's first chat chunk carries the role
+                        yield self._event(self._chat_choice({"role": "assistant", "content": ""}, None, None))
+                    async for event in self._chunk_events(*first):
+                        yield event
                 async for request_id, chunk, final in parts:
                     self.id = request_id
                     async for event in self._chunk_events(request_id, chunk, final):
@@ -329,6 +368,8 @@ class _Reply:
                 yield _data({"error": {"message": message, "type": kind, "param": None, "code": status}})
             yield "data: [DONE]\n\n"
         finally:
+            if waiting is not None:
+                await _cancel(waiting)
             call.close()
             await parts.aclose()
             grant.release()

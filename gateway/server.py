@@ -138,7 +138,7 @@ class _HttpServer:
             keep_alive_s=config.http_keep_alive_s,
             write_timeout_s=config.http_write_timeout_s,
         )
-        self.app = LimitsMiddleware(make_app(core, config.model_name()), self.limits)
+        self.app = LimitsMiddleware(make_app(core, config.model_name(), config.http_sse_keepalive_s), self.limits)
         self.connection_stats = ConnectionStats()
         self.tls: ReloadingSSLContext | None = None
         uv_config = uvicorn.Config(

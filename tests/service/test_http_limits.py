@@ -222,6 +222,64 @@ def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off(tokenizer):
     run(scenario())
 
 
+async def sse_lines(http: httpx.AsyncClient, body: dict[str, Any]) -> list[str]:
+    async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as response:
+        assert response.status_code == 200
+        return [line async for line in response.aiter_lines() if line]
+
+
+def test_a_queued_stream_gets_keepalive_comments_until_its_first_token(tokenizer):
+    async def scenario() -> None:
+        queued = await start_fake("queued", keepalive_s=1.0)  # the verifier holds it a second before a token
+        async with (
+            http_harness(tokenizer, [queued], http_sse_keepalive_s=0.25) as h,
+            httpx.AsyncClient(base_url=h.gateway.http_url, timeout=10) as http,
+        ):
+            lines = await sse_lines(http, {"prompt": "Hi", "max_tokens": 6, "return_token_ids": True})
+        comments = [line for line in lines if line.startswith(":")]
+        assert 2 <= len(comments) <= 6 and set(comments) == {": keep-alive"}
+        assert lines[: len(comments)] == comments  # all before the first event
+        events = [json.loads(line.removeprefix("data: ")) for line in lines[len(comments) : -1]]
+        assert [t for e in events for t in e["choices"][0]["token_ids"]] == list(range(1001, 1007))
+        assert lines[-1] == "data: [DONE]"
+
+    run(scenario())
+
+
+def test_a_stream_that_is_not_kept_waiting_gets_no_comment_and_a_refusal_after_one_is_an_error_event(tokenizer):
+    async def scenario() -> None:
+        fast = await start_fake("fast")
+        async with (
+            http_harness(tokenizer, [fast], http_sse_keepalive_s=0.25) as h,
+            httpx.AsyncClient(base_url=h.gateway.http_url, timeout=10) as http,
+        ):
+            lines = await sse_lines(http, {"prompt": "Hi", "max_tokens": 6})
+            assert not any(line.startswith(":") for line in lines) and lines[-1] == "data: [DONE]"
+            fast.fake.fail_after, fast.fake.keepalive_s = 0, 0.6  # waits, then the verifier fails
+            lines = await sse_lines(http, {"prompt": "Hi", "max_tokens": 6})
+        assert lines[0] == ": keep-alive" and lines[-1] == "data: [DONE]"
+        error = json.loads(lines[-2].removeprefix("data: "))["error"]
+        assert error["code"] == 503 and error["message"]
+
+    run(scenario())
+
+
+def test_a_client_gone_while_its_stream_waits_cancels_the_verifier_call(tokenizer):
+    async def scenario() -> None:
+        queued = await start_fake("queued", keepalive_s=30.0)
+        async with http_harness(tokenizer, [queued], http_sse_keepalive_s=0.2) as h:
+            async with httpx.AsyncClient(base_url=h.gateway.http_url, timeout=10) as http:
+                body = {"prompt": "Hi", "max_tokens": 6, "stream": True}
+                async with http.stream("POST", "/v1/completions", json=body) as response:
+                    lines = response.aiter_lines()
+                    assert await anext(lines) == ": keep-alive"
+            await asyncio.wait_for(queued.fake.cancelled.wait(), 5)
+            await asyncio.sleep(0.2)  # the grant is released as the response unwinds
+            assert h.gateway.servicer.core.active_generations == 0
+
+    run(scenario())
+
+
 # ---- point 5: the request caps leave health alone ------------------------------------------------
 
 
