@@ -121,7 +121,7 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None
     num_drafted: int = 0  # draft tokens scored (a tree's nodes)
-    num_accepted: int = 0  # drafts accepted and emitted (none past the token that finished the request)
+    num_accepted: int = 0  # accepted drafts that bought tokens: emitted - 1 at most (none past the finishing token)
     prompt_len: int = 0
     output_ids: list[int] = field(default_factory=list)
     draft_depth: int = 0  # draft positions: a chain's length, a tree's depth (per-position acceptance counts these)
@@ -638,10 +638,11 @@ class Engine:
                 break
         seq.num_computed = min(seq.num_computed, len(seq.tokens))
         # Drafts accepted past an EOS, a stop token or the length limit are never emitted: the counts say what
-        # the client got (the policy still learns from the whole verdict, which measured agreement all the same).
-        num_emitted_drafts = min(num_accepted, len(new_tokens))
+        # speculation bought, the tokens beyond the one a step emits anyway (the policy still learns from the whole
+        # verdict, which measured agreement all the same).
+        num_gained = min(num_accepted, len(new_tokens) - 1)
         self._update_stats(seq, draft, tokens, s.k, len(new_tokens))
-        out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_emitted_drafts, len(seq.prompt_ids))
+        out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_gained, len(seq.prompt_ids))
         out.draft_depth, out.tree = (draft.depth(), draft.is_tree) if draft is not None else (0, False)
         out.num_cached_prompt = seq.num_cached_prompt or 0
         if seq.is_finished:
@@ -658,9 +659,11 @@ class Engine:
     ) -> None:
         """`tokens`: the accepted drafts, then the target's own token; `depth`: the draft depth asked for (a tree that
         stopped short of it, all accepted, fell short of what a tree that deep is expected to accept);
-        `num_emitted`: how many of `tokens` came before the sequence finished, its last one included."""
+        `num_emitted`: how many of `tokens` came before the sequence finished, its last one included. Accepted
+        counts the emitted tokens beyond the step's one (a step that ended on a draft counts that draft as its
+        own token), so that emitted = accepted + sequence steps holds at every step."""
         num_accepted = len(tokens) - 1
-        num_emitted_drafts = min(num_accepted, num_emitted)
+        num_emitted_drafts = min(num_accepted, num_emitted - 1)
         self.stats.sequence_steps += 1
         self.stats.emitted_tokens += num_emitted
         if draft is not None and draft.token_ids:

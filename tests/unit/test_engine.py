@@ -122,7 +122,8 @@ def test_stops_on_eos_stop_ids_and_max_tokens(target_hf, target):
 
 def test_drafts_accepted_past_the_finishing_token_are_not_counted(target_hf, target):
     """A draft equal to the target accepts all k drafts; a stop token among them ends the request there, and the
-    drafts after it were never emitted: the counts (usage, engine stats, spans) are of what the client got."""
+    drafts after it were never emitted: the counts (usage, engine stats, spans) are of what the client got, and
+    emitted = accepted + sequence steps still holds (a step that ended on a draft counts it as its own token)."""
     p = prompts(1, seed=7)[0]
     free_run = hf_greedy(target_hf, p, 30, eos=False)
     engine = engine_with(target, "same", k=4)
@@ -135,14 +136,14 @@ def test_drafts_accepted_past_the_finishing_token_are_not_counted(target_hf, tar
         while engine.has_unfinished():
             for out in engine.step():
                 emitted += len(out.new_token_ids)
-                assert out.num_accepted <= len(out.new_token_ids)
-                if not out.finished:
-                    assert out.num_accepted == len(out.new_token_ids) - 1 == out.num_drafted or out.num_drafted == 0
-                elif out.num_drafted and out.num_accepted == len(out.new_token_ids):
-                    mid_draft += 1  # every emitted token a draft: it ended before the bonus token
+                # every draft is accepted: all the emitted tokens but the step's own one are drafts' gains
+                assert out.num_accepted == len(out.new_token_ids) - 1
+                if out.finished and 0 < len(out.new_token_ids) <= out.num_drafted:
+                    mid_draft += 1  # it ended on a draft, before the bonus token
         assert out.output_ids == free_run[: free_run.index(stop_token) + 1]
     assert mid_draft > 0
-    assert engine.stats.emitted_tokens == emitted
+    stats = engine.stats
+    assert stats.emitted_tokens == emitted == stats.accepted_tokens + stats.sequence_steps
 
 
 def test_eos_stops_unless_ignored(target):
