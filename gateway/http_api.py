@@ -181,6 +181,10 @@ class _Api:
                     await _cancel(pending)
                     await parts.aclose()
                     return error_response(err) if not isinstance(err, _ClientGone) else JSONResponse({}, 499)
+                except BaseException:  # this handler cancelled (a shutdown's deadline): nothing else ends `pending`
+                    call.close()
+                    pending.cancel()  # the generator ends with it
+                    raise
                 stack.pop_all()  # the stream now owns the grant
                 waiting = pending if first is _WAITING else None
                 events = reply.sse(None if first in (_WAITING, _END) else first, parts, call, grant, waiting)
@@ -258,11 +262,18 @@ async def _first_chunk(pending: asyncio.Future[Any], keepalive_s: float) -> Any:
 
 
 async def _cancel(task: asyncio.Future[Any]) -> None:
-    """A pending `_next` must end before its generator can be closed."""
+    """A pending `_next` must end before its generator can be closed. Its own result or error no longer matters;
+    a cancellation of the caller itself goes on."""
     if not task.done():
         task.cancel()
-    with contextlib.suppress(BaseException):
+    try:
         await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+    except Exception:  # noqa: S110 (the request is over: what it would have said goes nowhere)
+        pass
 
 
 async def _watch_disconnect(request: Request, call: HttpCall, work: Any) -> Any:

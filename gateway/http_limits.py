@@ -185,6 +185,7 @@ def guarded_protocol(
             super().__init__(*args, **kwargs)
             self._header_timer: asyncio.TimerHandle | None = None
             self._write_timer: asyncio.TimerHandle | None = None
+            self._buffered = 0  # the reply's bytes waiting in the transport when the write timer was armed
 
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
             super().connection_made(transport)
@@ -206,7 +207,11 @@ def guarded_protocol(
         def pause_writing(self) -> None:
             super().pause_writing()
             if self._write_timer is None:
-                self._write_timer = self.loop.call_later(limits.write_timeout_s, self._unread)
+                self._arm_write_timer()
+
+        def _arm_write_timer(self) -> None:
+            self._buffered = self.transport.get_write_buffer_size()
+            self._write_timer = self.loop.call_later(limits.write_timeout_s, self._unread)
 
         def resume_writing(self) -> None:
             self._cancel_write_timer()
@@ -223,9 +228,14 @@ def guarded_protocol(
                 self._write_timer = None
 
         def _unread(self) -> None:
+            self._write_timer = None
+            if self.transport.get_write_buffer_size() < self._buffered:
+                # It read some, not enough to resume writing: a slow reader, not a stalled one (nginx's
+                # send_timeout restarts at every write too). Another full timeout from here.
+                self._arm_write_timer()
+                return
             # abort, not close: close() waits for the unread buffer to drain, which is what never happens.
             # connection_lost then ends the request as a disconnect does.
-            self._write_timer = None
             stats.closed_unread += 1
             log.info("event=http_write_timeout client=%s timeout_s=%g", self.client, limits.write_timeout_s)
             self.transport.abort()

@@ -211,10 +211,12 @@ def test_a_client_that_reads_slowly_but_steadily_is_not_cut_off(tokenizer):
         async with http_harness(tokenizer, [fs], http_write_timeout_s=1.0, max_tokens_limit=1 << 20) as h:
             sock = await open_unread_stream(h, 200_000)
             received = 0
-            for _ in range(30):  # 3 s, three timeouts, with the send buffers full between reads
+            # 4 s, four timeouts: 4 KiB every 0.1 s, too little for the transport to resume writing within one
+            # (it waits for 48 KiB), but it never stops reading: nginx's send_timeout would not cut it either
+            for _ in range(40):
                 await asyncio.sleep(0.1)
                 with contextlib.suppress(BlockingIOError):
-                    received += len(sock.recv(64 * 1024))
+                    received += len(sock.recv(4096))
             assert received > 64 * 1024 and h.gateway.http.connection_stats.closed_unread == 0
             assert not fs.fake.cancelled.is_set() and fs.fake.active == 1
             sock.close()
