@@ -195,7 +195,10 @@ class EagleDrafter(PagedDrafter[_SeqState]):
             if state.num_exact == start:
                 state.num_exact = start + len(ids)
             state.num_done, state.last_hidden = start + len(ids), out[-1]
-            state.features.trim(state.num_done - FEATURE_WINDOW)  # the head's K/V holds what came before
+            # The head's K/V holds what came before; only what its prefix cache was offered can a draft-ahead
+            # alias (or the sequence after an eviction) match instead of recomputing from these features.
+            reusable = min(state.num_done, self.blocks.num_cached_tokens(seq_id))
+            state.features.trim(reusable - FEATURE_WINDOW)
         self._fill([(req.seq_id, tokens, len(tokens) - 1) for req, tokens in active])
 
     def _fill(self, gaps: list[tuple[str, list[int], int]]) -> None:

@@ -426,7 +426,11 @@ class Engine:
 
     @staticmethod
     def _keep_features(seq: Sequence, hidden: torch.Tensor | None, rows: list[int]) -> None:
-        """Features of the positions this step computed for good (`rows` of the step's hidden states, in order)."""
+        """Features of the positions this step computed for good (`rows` of the step's hidden states, in order);
+        none for a sequence that never drafts (max_draft_tokens = 0, or a resync refused)."""
+        if seq.max_draft_tokens == 0:
+            seq.features = None  # it never drafts: nobody reads them
+            return
         if hidden is None:
             return
         if seq.features is None:

@@ -182,6 +182,11 @@ class BlockManager:
         self._seq_hashes[seq_id] = list(match.hashes)
         return self._num_tokens[seq_id]
 
+    def num_cached_tokens(self, seq_id: SeqId) -> int:
+        """The sequence's first slots whose blocks were offered for reuse (`cache_full_blocks`): what another
+        sequence with the same tokens may match."""
+        return len(self._seq_hashes.get(seq_id, ())) * self.block_size
+
     def cache_full_blocks(self, seq_id: SeqId, token_ids: Sequence[int], num_tokens: int, salt: str = "") -> None:
         """Register the sequence's full blocks among its first `num_tokens` slots for reuse, under `salt`
         (the tenant: the same one the sequence's `match_prefix` used).

@@ -135,6 +135,50 @@ def test_a_hit_is_the_draft_on_demand_drafting_gives_and_a_miss_is_never_served(
     assert ahead.cache.stats.misses == 1 and miss.token_ids == miss_twin.token_ids
 
 
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_hits_are_the_on_demand_drafts_while_the_head_trims_its_features(tmp_path, target, prefix_caching, monkeypatch):
+    """The head keeps features only a window behind what its prefix cache was offered: an alias drafting ahead
+    starts from the sequence's features and its cached head blocks, and must still compute what on-demand drafting
+    computes (a trim behind the computed positions alone left an alias filling from guesses what the sequence's
+    head had from real features: in the first round, and every round without the head's prefix cache)."""
+    import proposer_service.eagle as eagle_module
+
+    monkeypatch.setattr(eagle_module, "FEATURE_WINDOW", 4)  # 256 at a real model's scale
+    rng = random.Random(5)
+    tokens = [rng.randrange(1, VOCAB - 1) for _ in range(40)]
+    make_head_dir(tmp_path, target[1], torch.arange(VOCAB), scale=3.0)
+
+    def fresh():
+        return make_eagle_drafter(
+            str(tmp_path), *embeddings(target), num_blocks=512, block_size=4, enable_prefix_caching=prefix_caching
+        )
+
+    first = DraftRequest("s", len(tokens), tokens, 4, features=features_for(target, tokens)[: len(tokens) - 1])
+    ahead = fresh()
+    ahead.cache.ahead = 16
+    (round_1,) = ahead.propose([first])
+    step = [*round_1.token_ids[:1], 7]  # one draft accepted, then the target's own token
+    full = tokens + step
+    second = DraftRequest(
+        "s", len(full), step, 4, features=features_for(target, full)[len(tokens) - 1 : len(full) - 1],
+        feature_start=len(tokens) - 1,
+    )  # fmt: skip
+    for history, request, draft in [([], first, round_1), ([first], second, None)]:
+        if draft is None:
+            (draft,) = ahead.propose([request])
+        ahead.draft_ahead([request], [draft], lambda: False)
+        entries = dict(ahead.cache.entries["s"])
+        assert entries
+        for outcome, entry in entries.items():
+            twin = fresh()
+            for earlier in [*history, request]:
+                twin.propose([earlier])
+            committed = request.committed_len + len(outcome)
+            (on_demand,) = twin.propose([DraftRequest("s", committed, list(outcome), 4)])
+            assert entry.draft.token_ids == on_demand.token_ids, (request.committed_len, outcome)
+        assert ahead.states["s"].features.end - ahead.states["s"].features.start < len(full) or not prefix_caching
+
+
 def test_an_unfinished_round_is_not_served_and_stale_drafting_ahead_stops(target, weak_draft):
     ahead = draft_model_drafter(weak_draft)
     ahead.cache.ahead = 4

@@ -251,13 +251,31 @@ def test_trimmed_feature_stores_stay_bounded_and_draft_the_same(tmp_path, target
                 if seq.features is not None:
                     assert seq.features.start >= seq.num_features_sent - window
                     longest = max(longest, seq.features.end - seq.features.start)
-            for state in drafter.states.values():
-                assert state.features.start >= state.num_done - window
+            for seq_id, state in drafter.states.items():  # behind what its prefix cache was offered, too
+                reusable = min(state.num_done, drafter.blocks.num_cached_tokens(seq_id))
+                assert state.features.start >= reusable - window
         runs.append((outs, engine.stats.drafted_tokens, engine.stats.accepted_tokens, longest))
     (untrimmed, drafted, accepted, long_store), (trimmed, drafted2, accepted2, short_store) = runs
     assert trimmed == untrimmed == {f"r{i}": hf_greedy(target_hf, p, 60, eos=False) for i, p in enumerate(ps)}
     assert (drafted2, accepted2) == (drafted, accepted) and drafted > 0
     assert long_store > 60 and short_store <= 2 + 3 + 1 + 30  # window + a step's rows (a prompt's at most)
+
+
+def test_a_sequence_that_never_drafts_keeps_no_features(tmp_path, target):
+    """The verifier trims features as it sends them; a sequence never sent (max_draft_tokens = 0) kept them all."""
+    folder = str(make_head_dir(tmp_path, target[1], torch.arange(VOCAB)))
+    drafter = make_eagle_drafter(folder, *embeddings(target), num_blocks=256, block_size=4)
+    engine = engine_with_eagle(target, drafter, k=3)
+    p = prompts(1, seed=3)[0]
+    engine.add_request("drafts", p, SamplingParams(max_tokens=40, ignore_eos=True))
+    engine.add_request("plain", p, SamplingParams(max_tokens=40, ignore_eos=True), max_draft_tokens=0)
+    kept = {"drafts": 0, "plain": 0}
+    while engine.has_unfinished():
+        engine.step()
+        for seq in engine.scheduler.running:
+            if seq.features is not None:
+                kept[seq.seq_id] = max(kept[seq.seq_id], seq.features.end - seq.features.start)
+    assert kept["drafts"] > 0 and kept["plain"] == 0
 
 
 def engine_with_eagle(target, drafter, k=3, max_num_seqs=4, num_blocks=None, **kw):
