@@ -15,8 +15,10 @@ of a sequence's active strings are the matches of all its suffixes, which is how
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import itertools
+import weakref
 from array import array
 from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
@@ -80,6 +82,9 @@ class SuffixTree:
         self.sequences: dict[Hashable, _Sequence] = {}
         self.num_tokens = 0
         self.num_nodes = 1
+        # Arrays of removed sequences that nodes still read (the same string in live sequences): counted in the
+        # memory estimate while anything reads them (`_rehome`).
+        self._remnants: list[weakref.ref[array]] = []
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.sequences
@@ -88,7 +93,11 @@ class SuffixTree:
         return self.sequences[key].tokens
 
     def memory_bytes(self) -> int:
-        return self.num_nodes * NODE_BYTES + self.num_tokens * TOKEN_BYTES
+        return self.num_nodes * NODE_BYTES + (self.num_tokens + self.remnant_tokens()) * TOKEN_BYTES
+
+    def remnant_tokens(self) -> int:
+        """Tokens of removed sequences' arrays still read by nodes (read by the metrics thread: no pruning here)."""
+        return sum(len(tokens) for ref in list(self._remnants) if (tokens := ref()) is not None)
 
     # ---- growing -------------------------------------------------------------------------------
 
@@ -208,11 +217,43 @@ class SuffixTree:
     def remove(self, key: Hashable) -> None:
         state = self.sequences.pop(key)
         seq = state.tokens
+        left: dict[int, Node] = {}  # nodes whose edge still reads `seq` when one of its strings went
         for start in range(len(seq)):
-            self._remove_string(seq, start, min(start + self.max_depth, len(seq)))
+            self._remove_string(seq, start, min(start + self.max_depth, len(seq)), left)
         self.num_tokens -= len(seq)
+        self._rehome(seq, [node for node in left.values() if node.seq is seq and _attached(node)])
 
-    def _remove_string(self, seq: array, start: int, end: int) -> None:
+    def _rehome(self, seq: array, nodes: list[Node]) -> None:
+        """Nodes that still read a removed sequence (their strings live on in others) read the parts of it their
+        paths need, copied into one array, or the whole array where those parts are most of it (a repeated
+        text: a copy would save little); either way it is counted in `memory_bytes` while read."""
+        self._remnants = [ref for ref in self._remnants if ref() is not None]
+        if not nodes:
+            return
+        spans = []  # each node's whole string from the root: a merge or a parent reads before its edge
+        for node in nodes:
+            end = node.pos + node.length
+            spans.append((end - _depth(node), end))
+        merged: list[list[int]] = []
+        for first, end in sorted(spans):
+            if merged and first <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([first, end])
+        kept = sum(end - first for first, end in merged)
+        if 2 * kept >= len(seq):
+            self._remnants.append(weakref.ref(seq))
+            return
+        remnant, starts, offsets = array("i"), [], []
+        for first, end in merged:
+            starts.append(first)
+            offsets.append(len(remnant) - first)
+            remnant.extend(seq[first:end])
+        for node, (first, _) in zip(nodes, spans, strict=True):
+            node.seq, node.pos = remnant, node.pos + offsets[bisect.bisect_right(starts, first) - 1]
+        self._remnants.append(weakref.ref(remnant))
+
+    def _remove_string(self, seq: array, start: int, end: int, left: dict[int, Node]) -> None:
         self.root.count -= 1
         path = []
         node, i = self.root, start
@@ -234,9 +275,8 @@ class SuffixTree:
                 child = next(iter(node.children.values()), None)
                 if child is not None and child.seq is not seq:  # read another's copy
                     node.seq, node.pos = child.seq, child.pos - node.length
-                elif child is None:  # a leaf: the same string in other sequences; keep a copy of it alone
-                    node.seq, node.pos = _own_copy(node, seq)
-                # else a child still reads `seq`: a later string of it passes through both and comes back here
+                else:  # a leaf (the same string in other sequences), or its child reads `seq` too
+                    left[id(node)] = node
             if node.ends == 0 and len(node.children) == 1:  # unary, same count as its child: merge them
                 (child,) = node.children.values()
                 child.pos -= node.length
@@ -316,16 +356,18 @@ class SuffixTree:
         return Continuation(tokens, parents, probs)
 
 
-def _own_copy(leaf: Node, seq: array) -> tuple[array, int]:
-    """The leaf's string from the root (at most max_depth tokens) copied out of `seq`, and the edge's place in
-    it: the whole string, since a merge with the parent or the parent reading this copy reads the tokens before
-    the edge. An evicted request's array would otherwise stay alive as long as the leaf."""
-    depth, node = 0, leaf
+def _depth(node: Node) -> int:
+    """The length of the node's string from the root (at most max_depth)."""
+    depth = 0
     while node.parent is not None:
         depth += node.length
         node = node.parent
-    end = leaf.pos + leaf.length
-    return array("i", seq[end - depth : end]), depth - leaf.length
+    return depth
+
+
+def _attached(node: Node) -> bool:
+    """Still in the tree: not removed, nor merged into its child."""
+    return node.parent is not None and node.parent.children.get(node.token) is node
 
 
 def _common(child: Node, seq: array, a: int, b: int) -> int:

@@ -10,7 +10,7 @@ from array import array
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from proposer_service.suffix_tree import Node, SuffixTree
+from proposer_service.suffix_tree import NODE_BYTES, TOKEN_BYTES, Node, SuffixTree
 
 ALPHABET = 3  # few symbols: repeats, branches and shared edges happen all the time
 
@@ -47,7 +47,7 @@ class Reference:
 
 
 def check_structure(tree: SuffixTree, removed: list[array] = ()) -> None:
-    """`removed`: arrays of sequences no longer in the tree, which no node may read (or keep alive)."""
+    """`removed`: arrays of sequences no longer in the tree, which a node reads only where the tree counts it."""
     stack, seen, paths = [tree.root], 0, {id(tree.root): []}
     while stack:
         node = stack.pop()
@@ -57,7 +57,8 @@ def check_structure(tree: SuffixTree, removed: list[array] = ()) -> None:
         # parent (on a removal) or its parent re-pointed at it reads the tokens before the edge.
         assert node.pos + node.length - len(path) >= 0
         assert list(node.seq[node.pos + node.length - len(path) : node.pos + node.length]) == path
-        assert all(node.seq is not gone for gone in removed), "a node reads a removed sequence's array"
+        if any(node.seq is gone for gone in removed):  # only while the tree counts it in its memory
+            assert any(ref() is node.seq for ref in tree._remnants), "a removed sequence's array read, not counted"
         for child in node.children.values():
             paths[id(child)] = path + list(child.seq[child.pos : child.pos + child.length])
         assert node.count == node.ends + sum(c.count for c in node.children.values())
@@ -230,6 +231,49 @@ def test_memory_estimate_is_close_to_what_python_allocates():
     finally:
         tracemalloc.stop()
     assert 0.7 < tree.memory_bytes() / allocated < 1.3, (tree.memory_bytes(), allocated)
+
+
+def nodes_of(tree: SuffixTree) -> list[Node]:
+    stack, nodes = [tree.root], []
+    while stack:
+        node = stack.pop()
+        nodes.append(node)
+        stack.extend(node.children.values())
+    return nodes
+
+
+def test_an_evicted_request_whose_text_lives_on_is_kept_at_most_once_and_counted():
+    """Evicting a request whose output another repeats: the nodes its strings share go on reading its array (a
+    copy per node cost 50 times the array), and the tree's memory estimate counts it until they stop."""
+    rng = random.Random(0)
+    text = [rng.randrange(50_000) for _ in range(2000)]
+    tree = SuffixTree(32)
+    tree.extend("a", text)
+    tree.extend("b", text)
+    first = tree.tokens("a")
+    tree.remove("a")
+    arrays = {id(node.seq) for node in nodes_of(tree)[1:]}
+    assert arrays <= {id(first), id(tree.tokens("b"))}
+    del first  # the test's own reference
+    assert tree.memory_bytes() == tree.num_nodes * NODE_BYTES + (2000 + 2000) * TOKEN_BYTES
+    tree.remove("b")
+    assert tree.memory_bytes() == NODE_BYTES and tree.remnant_tokens() == 0
+
+
+def test_an_evicted_request_that_shares_a_little_keeps_only_that_little():
+    """A long request evicted while a short one repeats its last 40 tokens: the nodes those strings share read a
+    copy of what their paths need, not the long request's whole array."""
+    rng = random.Random(1)
+    long = [rng.randrange(50_000) for _ in range(5000)]
+    tree = SuffixTree(32)
+    tree.extend("long", long)
+    tree.extend("short", long[-40:])
+    tree.remove("long")
+    short = tree.tokens("short")
+    others = {id(node.seq): node.seq for node in nodes_of(tree)[1:] if node.seq is not short}
+    assert 0 < sum(len(a) for a in others.values()) == tree.remnant_tokens() <= 40 + 32
+    assert tree.memory_bytes() == tree.num_nodes * NODE_BYTES + (40 + tree.remnant_tokens()) * TOKEN_BYTES
+    check_structure(tree)
 
 
 def test_a_continuation_seen_exactly_min_prob_of_the_time_is_in_the_tree():
