@@ -484,7 +484,8 @@ class Engine:
     def _propose(self, batch: list[ScheduledSeq]) -> tuple[dict[str, Draft], int]:
         """Drafts of the sequences that sample this step with k > 0. A prompt being prefilled in chunks is
         also sent, its chunk's tokens with k = 0, so the drafter ingests it alongside the target instead of
-        catching up on all of it in the first draft round. A drafter that can be told without waiting
+        catching up on all of it in the first draft round (to a remote proposer without waiting, and not to one
+        sharing our cores, see below). A drafter that can be told without waiting
         (`notify`: the remote proposer) also follows the sequences that decode with k = 0, off the critical path,
         k tokens at a time, so that a later probe carries no stale catch-up (no more than a drafting step may
         commit), unless it says not to (`follows_plain`: a proposer sharing this verifier's CPU cores, where that
@@ -498,15 +499,25 @@ class Engine:
         # clients it took ~20% of a core at plain steps, beside a verifier that wants both), and a probe then
         # still carries at most what one step commits, so it counts as a drafting round.
         follow_every = max(1, self.config.num_speculative_tokens)
-        follows = hasattr(self.drafter, "notify") and getattr(self.drafter, "follows_plain", True)
+        remote = hasattr(self.drafter, "notify")
+        follows = remote and getattr(self.drafter, "follows_plain", True)
         drafting, following, asked_early = [], [], []
         for s in batch:
             seq = s.seq
             committed = len(seq.tokens) if s.samples else seq.num_computed + s.num_feed
             if early is not None and early.answers(s):
                 asked_early.append(s)
-            elif (s.samples and s.k > 0) or (not s.samples and committed > seq.num_sent_to_proposer):
+            elif s.samples and s.k > 0:
                 drafting.append((s, self._draft_request(s, committed)))
+            elif not s.samples and committed > seq.num_sent_to_proposer:
+                # A prompt's chunk: an in-process drafter ingests it now; a remote proposer is told without waiting
+                # (the verifier waited for it: at 8 clients it added 31 ms to the time to first token), and one on
+                # our own cores not at all: a request that never drafts (at 8 clients, most) costs it nothing, and
+                # the first draft request carries the prompt, charged as a catch-up by the policy.
+                if not remote:
+                    drafting.append((s, self._draft_request(s, committed)))
+                elif follows:
+                    following.append(self._draft_request(s, committed))
             elif s.samples and committed - seq.num_sent_to_proposer >= follow_every and follows:
                 following.append(self._draft_request(s, committed))
         if following:
