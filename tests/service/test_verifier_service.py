@@ -413,6 +413,51 @@ def test_a_proposer_sharing_the_verifiers_cores_does_not_follow_plain_sequences(
     run(body())
 
 
+class SlowIngestProposer(PlacedProposer):
+    """Takes a second to answer a message that drafts nothing (a prompt's chunk, a followed sequence)."""
+
+    async def Propose(self, request_iterator, context):
+        async for req in request_iterator:
+            self.sent += [len(s.new_token_ids) for s in req.sequences]
+            if not any(s.k for s in req.sequences):
+                await asyncio.sleep(1.0)
+            yield proposer_pb2.ProposeResponse(step_id=req.step_id)
+
+
+def test_a_prompts_chunks_go_to_a_proposer_without_waiting_and_not_to_one_on_our_cores():
+    """A prompt prefilled in chunks: the proposer ingests the chunks alongside the target, but the verifier does
+    not wait for it (it waited for every chunk's reply, on the time to first token), and a proposer on this
+    machine's cores is sent none (the first draft request carries the prompt)."""
+    from shared.placement import cpu_set, host_id
+
+    prompt = PROMPTS[2]  # 9 tokens: chunks of 4, 4 and the last one, which samples
+
+    async def chunks_sent(host: str, cpus: list[int]) -> tuple[list[int], float]:
+        fake = SlowIngestProposer(host, cpus)
+        fake_server, port = await start_fake(fake)
+        verifier = await start_verifier([f"127.0.0.1:{port}"], num_speculative_tokens=4, max_num_batched_tokens=4)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
+                stub = verifier_pb2_grpc.VerifierStub(channel)
+                started = time.monotonic()
+                tokens, _ = await collect(stub, request(prompt, 2, max_draft_tokens=0))
+                elapsed = time.monotonic() - started
+                assert tokens == reference(tuple(prompt), 2)
+            await asyncio.sleep(2.5)  # what was sent without waiting has arrived (a second a message)
+            return fake.sent, elapsed
+        finally:
+            await verifier.shutdown(0.5)
+            await fake_server.stop(0)
+
+    async def body():
+        sent, elapsed = await chunks_sent("other-machine", sorted(cpu_set()))
+        assert sent[:2] == [4, 4] and elapsed < 1.0, (sent, elapsed)  # two chunks sent, neither waited for
+        sent, _ = await chunks_sent(host_id(), sorted(cpu_set()))
+        assert sent == []
+
+    run(body())
+
+
 def test_a_proposer_with_another_vocabulary_is_refused():
     async def body():
         fake_server, port = await start_fake(FakeProposer(vocab_size=VOCAB * 2))
