@@ -71,38 +71,42 @@ class UndecodableRequests(grpc.aio.ServerInterceptor):
             except DecodeError as err:
                 return _Undecodable(f"the request is not {what}: {err}")
 
-        if handler.response_streaming:
-            return grpc.unary_stream_rpc_method_handler(
-                _checked_stream(handler.unary_stream), deserializer, handler.response_serializer
-            )
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-            return await handler.unary_unary(request, context)
-
-        return grpc.unary_unary_rpc_method_handler(unary, deserializer, handler.response_serializer)
+        return with_check(handler, _refuse_undecodable, deserializer)
 
 
-def _checked_stream(behavior: Any) -> Any:
-    """A unary-stream behaviour that refuses an undecodable request, in the behaviour's own shape: grpcio tells
-    a generator from a context.write coroutine by the function."""
-    if inspect.iscoroutinefunction(behavior):
+async def _refuse_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
 
-        async def writing(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            if isinstance(request, _Undecodable):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
+
+def with_check(handler: Any, check: Any, request_deserializer: Any = None) -> Any:
+    """`handler` with `await check(request, context)` run before its behaviour, in any of the four call shapes
+    and in the behaviour's own kind (grpcio tells a generator from a context.write coroutine by the function);
+    `request_deserializer` replaces the handler's. A stream request's `request` is its iterator."""
+    if handler.request_streaming and handler.response_streaming:
+        behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
+    else:
+        behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
+    if handler.response_streaming and not inspect.iscoroutinefunction(behavior):
+
+        async def generating(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(request, context)
+            async for response in behavior(request, context):
+                yield response
+
+        wrapped: Any = generating
+    else:  # a unary response, or a stream written with context.write
+
+        async def calling(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await check(request, context)
             return await behavior(request, context)
 
-        return writing
-
-    async def generating(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        if isinstance(request, _Undecodable):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.message)
-        async for response in behavior(request, context):
-            yield response
-
-    return generating
+        wrapped = calling
+    return make(wrapped, request_deserializer or handler.request_deserializer, handler.response_serializer)
 
 
 def add_health_and_reflection(

@@ -25,6 +25,8 @@ from typing import Any, ClassVar
 
 import grpc
 
+from shared.grpc_server import with_check
+
 log = logging.getLogger(__name__)
 
 Signature = tuple[tuple[int, int, int, int], ...]
@@ -252,9 +254,9 @@ class ClientNameCheck(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(self.OPEN):
             return handler
-        return _checked(handler, self._check)
+        return with_check(handler, self._check)
 
-    async def _check(self, context: grpc.aio.ServicerContext) -> None:
+    async def _check(self, request: Any, context: grpc.aio.ServicerContext) -> None:
         auth = context.auth_context()
         presented = {
             value.decode(errors="replace")
@@ -264,38 +266,6 @@ class ClientNameCheck(grpc.aio.ServerInterceptor):
         if not presented & self.names:
             log.warning("event=client_name_refused presented=%s", ",".join(sorted(presented)) or "-")
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, "this client certificate may not call this service")
-
-
-def _checked(handler: Any, check: Any) -> Any:
-    """`handler` with `check(context)` run before its behaviour (any of the four call shapes)."""
-    if handler.request_streaming and handler.response_streaming:
-        behavior, make = handler.stream_stream, grpc.stream_stream_rpc_method_handler
-    elif handler.request_streaming:
-        behavior, make = handler.stream_unary, grpc.stream_unary_rpc_method_handler
-    elif handler.response_streaming:
-        behavior, make = handler.unary_stream, grpc.unary_stream_rpc_method_handler
-    else:
-        behavior, make = handler.unary_unary, grpc.unary_unary_rpc_method_handler
-    if handler.response_streaming:
-
-        async def streaming(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(context)
-            result = behavior(request, context)
-            if hasattr(result, "__aiter__"):
-                async for message in result:
-                    yield message
-            else:  # a handler that writes with context.write
-                await result
-
-        wrapped: Any = streaming
-    else:
-
-        async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            await check(context)
-            return await behavior(request, context)
-
-        wrapped = unary
-    return make(wrapped, handler.request_deserializer, handler.response_serializer)
 
 
 def server_interceptors(config: TLSConfig) -> list[grpc.aio.ServerInterceptor]:
