@@ -655,8 +655,8 @@ class Engine:
         # Drafts accepted past an EOS, a stop token or the length limit are never emitted: the counts say what
         # speculation bought, the tokens beyond the one a step emits anyway (the policy still learns from the whole
         # verdict, which measured agreement all the same).
-        num_gained = min(num_accepted, len(new_tokens) - 1)
-        self._update_stats(seq, draft, tokens, s.k, len(new_tokens))
+        num_gained = len(new_tokens) - 1  # new_tokens is a prefix of tokens: never more than num_accepted
+        self._update_stats(seq, draft, tokens, s.k, num_gained)
         out = RequestOutput(seq.seq_id, new_tokens, seq.finish_reason, k, num_gained, len(seq.prompt_ids))
         out.draft_depth, out.tree = (draft.depth(), draft.is_tree) if draft is not None else (0, False)
         out.num_cached_prompt = seq.num_cached_prompt or 0
@@ -669,18 +669,14 @@ class Engine:
             self._rollback_blocks(seq)
         return out
 
-    def _update_stats(
-        self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int, num_emitted: int
-    ) -> None:
+    def _update_stats(self, seq: Sequence, draft: Draft | None, tokens: list[int], depth: int, num_gained: int) -> None:
         """`tokens`: the accepted drafts, then the target's own token; `depth`: the draft depth asked for (a tree that
         stopped short of it, all accepted, fell short of what a tree that deep is expected to accept);
-        `num_emitted`: how many of `tokens` came before the sequence finished, its last one included. Accepted
-        counts the emitted tokens beyond the step's one (a step that ended on a draft counts that draft as its
-        own token), so that emitted = accepted + sequence steps holds at every step."""
+        `num_gained`: the tokens emitted beyond the step's one (a step that ended on a draft counts that draft as
+        its own token), counted as accepted, so that emitted = accepted + sequence steps holds at every step."""
         num_accepted = len(tokens) - 1
-        num_emitted_drafts = min(num_accepted, num_emitted - 1)
         self.stats.sequence_steps += 1
-        self.stats.emitted_tokens += num_emitted
+        self.stats.emitted_tokens += num_gained + 1
         if draft is not None and draft.token_ids:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
             if draft.is_tree:  # a chain's verdict for alpha: the tree's best-guess path's
@@ -692,9 +688,9 @@ class Engine:
             self.scheduler.policy.record_acceptance(seq.params.is_greedy, drafted, accepted)
             self.stats.draft_rounds += 1
             self.stats.drafted_tokens += k
-            self.stats.accepted_tokens += num_emitted_drafts
+            self.stats.accepted_tokens += num_gained
             seq.num_drafted += k
-            seq.num_accepted += num_emitted_drafts
+            seq.num_accepted += num_gained
 
     def _finish_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         params = seq.params
