@@ -60,6 +60,14 @@ from dataclasses import dataclass, field, replace
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
 PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
+# ... where the best drafting plan is expected about as fast as plain decoding. A probe is worth less the further
+# drafting is from paying (the drafter must have got that much better for it to find something), so the budget
+# falls linearly to PROBE_FAR_SHARE of PROBE_BUDGET where that plan is expected PROBE_FAR_GAP slower or more.
+# Through the gateway at 8 clients, T = 0.8 (fp32 target, Zen 4 host), the best plan was 0.70-0.85 of plain
+# decoding's rate once the requests' priors were their population's, and at the full budget 14 probes in 12 rounds
+# took 0.2 s beyond plain steps' in 24 s (0.8%); with this rule, 3.
+PROBE_FAR_SHARE = 0.2
+PROBE_FAR_GAP = 0.2
 # A drafting plan may slow no sequence that may draft below this share of its plain-decoding rate. A step is one
 # forward for the whole batch: a sequence that drafts little pays for the others' drafts. Through the gateway at 8
 # clients on two CPU cores, plans chosen for the batch's throughput alone kept the mean request about as fast as
@@ -193,6 +201,7 @@ class AcceptanceEstimate:
     weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
     tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
     probed_at: int = -1  # the policy's probe count when a probe last drafted for this sequence (-1: never)
+    prior_tested: int = 0  # positions behind the prior: those recent sequences of its kind tested (0: agnostic)
     tree_misses: TreeMisses = field(default_factory=TreeMisses)  # shared by the sequences of a kind
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
@@ -439,6 +448,13 @@ def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
 PLAIN, DRAFTING, PROBE = "plain", "drafting", "probe"
 
 
+def probe_budget(ratio: float) -> float:
+    """The share of the time probes may lose, where the best drafting plan is expected at `ratio` of plain
+    decoding's rate: PROBE_BUDGET at 1 or above, down to PROBE_FAR_SHARE of it at 1 - PROBE_FAR_GAP or below."""
+    closeness = min(1.0, max(0.0, 1 - (1 - ratio) / PROBE_FAR_GAP))
+    return PROBE_BUDGET * (PROBE_FAR_SHARE + (1 - PROBE_FAR_SHARE) * closeness)
+
+
 class Outcomes:
     """Per batch size and kind of step, how long steps took against how long they were expected to take. Probes
     are kept apart from chosen drafting plans: a probe follows a run of plain steps, and its propose call carries
@@ -487,7 +503,7 @@ class StepCost:
 @dataclass(frozen=True)
 class PlainMemo:
     key: tuple  # per sequence: its estimate (which object, its values) and its largest k
-    probe_loss: float
+    probe_every: float  # plain steps between probes: the probe's loss over its budget
     steps_left: int
 
 
@@ -521,7 +537,7 @@ class SpecPolicy:
     tree_misses: dict[bool, TreeMisses] = field(default_factory=dict)  # likewise: what trees add to chains
     outcomes: Outcomes = field(default_factory=Outcomes)
     _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
-    _last_probe_loss: float = 0.0
+    _probe_every: float = 0.0  # the last plan's: plain steps between probes
     # Seconds per caught-up position of recent calls that carried a catch-up (beyond their call's own time)
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=CATCH_UP_WINDOW))
     _per_position: float = 0.0  # their median (0 until one was measured)
@@ -536,7 +552,7 @@ class SpecPolicy:
         trees = self.tree_misses.setdefault(greedy, TreeMisses())
         if seen is None or seen.tested < MIN_POPULATION_POSITIONS:
             return AcceptanceEstimate(tree_misses=trees)
-        return AcceptanceEstimate(alpha=seen.alpha, tree_misses=trees)
+        return AcceptanceEstimate(alpha=seen.alpha, prior_tested=seen.tested, tree_misses=trees)
 
     def record_acceptance(self, greedy: bool, num_drafted: int, num_accepted: int) -> None:
         """A chain's verdict (or a tree's best-guess path's), for the population's estimate (a sequence's own is
@@ -561,8 +577,9 @@ class SpecPolicy:
         the best one, or where none is fair the one whose run costs least (one token a sequence, or a plan that
         slows someone), or that plan for one sequence alone where that loses less (`_cheapest_probe`); how often
         follows from how much it is expected to lose (the batch's throughput or its slowest sequence's rate,
-        whichever loses more), so that probes cost at most PROBE_BUDGET of the time, and a drafter that got better,
-        or an estimate that dipped by chance, is noticed soonest where it matters most: near the break-even. `vary`
+        whichever loses more), so that probes cost at most PROBE_BUDGET of the time, less the further drafting is
+        from paying (`probe_budget`), and a drafter that got better, or an estimate that dipped by chance, is
+        noticed soonest where it matters most: near the break-even. `vary`
         (every probe_interval steps): a drafting plan drafts one token more or less, in turn, so that each cost is
         measured at more than one size and has a slope."""
         batch = len(seqs)
@@ -574,7 +591,7 @@ class SpecPolicy:
         self._spreads = [max(1, min(h, CATCH_UP_HORIZON)) for h in horizons] if horizons else None
         key = tuple((id(acc), acc.alpha, acc.tree_misses.share, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
-        due = memo is None or (self._plain_steps + 1) * PROBE_BUDGET >= memo.probe_loss  # a probe
+        due = memo is None or self._plain_steps + 1 >= memo.probe_every  # a probe
         if memo is not None and memo.key == key and memo.steps_left > 0 and not due:
             self._plain_steps += 1
             self._plain_memo = replace(memo, steps_left=memo.steps_left - 1)
@@ -603,7 +620,7 @@ class SpecPolicy:
         chosen = self._explore_trees(self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary), seqs)
         clearly = drafting is not None and drafting_rate < plain_rate * (1 - PLAIN_MARGIN)
         if chosen is plain and clearly and self.scoring.measured(batch, batch):  # not on a guessed plain time
-            self._plain_memo = PlainMemo(key, self._last_probe_loss, REPLAN_EVERY - 1)
+            self._plain_memo = PlainMemo(key, self._probe_every, REPLAN_EVERY - 1)
         if log.isEnabledFor(logging.DEBUG):
             self._explain(seqs, chosen, plain_rate, drafting_rate)
         return chosen
@@ -621,8 +638,10 @@ class SpecPolicy:
             return plain
         if drafting_rate <= plain_rate * (1 + 1e-9) or self._slowest_share(drafting, seqs) < FAIR_SHARE:
             self._plain_steps += 1
-            probe, self._last_probe_loss = self._cheapest_probe(self._lifted(drafting, seqs), seqs, plain_rate)
-            if self._plain_steps * PROBE_BUDGET < self._last_probe_loss:
+            probe, loss = self._cheapest_probe(self._lifted(drafting, seqs), seqs, plain_rate)
+            known = plain_rate and self._judged_on_measurements(probe, seqs)
+            self._probe_every = loss / probe_budget(drafting_rate / plain_rate if known else 1.0)
+            if self._plain_steps < self._probe_every:
                 return plain
             self._plain_steps, self.probed = 0, True
             for p, (acc, _) in zip(probe, seqs, strict=True):
@@ -658,6 +677,18 @@ class SpecPolicy:
                 misses.passed_over = 0
                 return explored
         return chosen
+
+    def _judged_on_measurements(self, probe: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> bool:
+        """Whether what a probe would learn is known well enough to spend less on it far from the break-even: its
+        rows' scoring was timed live and each of its sequences' acceptance rests on MIN_POPULATION_POSITIONS tested
+        positions (its own, or those behind its prior). Else a probe's budget is the full one: a pessimistic guess
+        (an agnostic prior, a scoring time read off other sizes) is what probes are there to correct."""
+        batch, drafted, _, _ = _shape(probe)
+        return self.scoring.measured(batch, batch + drafted) and all(
+            acc.tested + acc.prior_tested >= MIN_POPULATION_POSITIONS
+            for p, (acc, _) in zip(probe, seqs, strict=True)
+            if p.k
+        )
 
     @staticmethod
     def _lifted(plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:

@@ -414,16 +414,17 @@ def test_steps_that_run_slower_than_expected_correct_the_expectation():
     them, k = 1 at 0.45 acceptance looks ~25% faster than plain decoding, but every k loses 5-10% on average.
     Comparing each step's realised rate (start to start) with what it expected, the policy stays within 2% of
     plain decoding (its probes pay the slow calls too); without that comparison (the negative control) it drafts
-    and loses about 5%. Four seeds each: one run's probes land on slow calls or not by chance."""
+    and loses about 5%. Twelve seeds each: one run's probes land on slow calls or not by chance (over 100 seeds the
+    policy ran 0.991 of plain decoding; the first four alone 0.979-0.982, depending on the probe budget's rule)."""
     cost = SlowCallNowAndThen(0.041, 0.0025, 0.002, 0.003)
     alphas = [0.45] * 8
     plain = true_rate([Plan(0)] * 8, alphas, cost)
     assert true_rate([Plan(1)] * 8, alphas, Costs(0.041, 0.0025, 0.002, 0.003)) > 1.2 * plain  # by the medians
     assert all(true_rate([Plan(k)] * 8, alphas, cost) < 0.95 * plain for k in range(1, 5))
-    runs = [simulate(alphas, cost, k_max=4, seed=seed) for seed in range(4)]
+    runs = [simulate(alphas, cost, k_max=4, seed=seed) for seed in range(12)]
     assert statistics.mean(run.rate for run, _ in runs) >= 0.98 * plain
     assert all(abs(policy.outcomes.slowdown(8, PLAIN) - 1) < 0.05 for _, policy in runs)  # plain steps as expected
-    blind = [simulate(alphas, cost, k_max=4, seed=seed, sees_outcomes=False)[0] for seed in range(4)]
+    blind = [simulate(alphas, cost, k_max=4, seed=seed, sees_outcomes=False)[0] for seed in range(12)]
     assert statistics.mean(run.rate for run in blind) < 0.97 * plain
 
 
@@ -723,6 +724,55 @@ def test_a_batch_s_probes_lose_about_the_budget(alphas):
     assert 0 < lost / seconds <= 1.5 * spec_policy.PROBE_BUDGET, lost / seconds
 
 
+def test_a_probe_s_budget_falls_with_how_far_drafting_is_from_paying():
+    full, far = spec_policy.PROBE_BUDGET, spec_policy.PROBE_BUDGET * spec_policy.PROBE_FAR_SHARE
+    assert spec_policy.probe_budget(1.2) == spec_policy.probe_budget(1.0) == full
+    assert spec_policy.probe_budget(1 - spec_policy.PROBE_FAR_GAP) == pytest.approx(far)
+    assert spec_policy.probe_budget(0.3) == pytest.approx(far)
+    between = [spec_policy.probe_budget(1 - spec_policy.PROBE_FAR_GAP * x) for x in (0.25, 0.5, 0.75)]
+    assert full > between[0] > between[1] > between[2] > far
+
+
+def test_probes_far_from_the_break_even_lose_the_far_budget_once_that_is_measured():
+    """Drafts hopeless at batch 8 where scoring is dear (a CPU's large batch): the best drafting plan runs at about
+    0.6 of plain decoding's rate, known from live scoring times and estimates that rest on many tested positions,
+    so probes lose about PROBE_FAR_SHARE of PROBE_BUDGET (0.19% here; the full budget, the rule before, lost
+    0.91%)."""
+    cost = COSTS["dear-scoring"]
+    alphas = [0.01] * 8
+    policy = informed_policy(cost, batch=8)
+    estimates = [AcceptanceEstimate(alpha=a, tested=1000) for a in alphas]
+    plain_rate, lost, seconds, probes = true_rate([Plan(0)] * 8, alphas, cost), 0.0, 0.0, 0
+    for _ in range(3000):
+        plans = policy.plan([(e, 4) for e in estimates])
+        probes += policy.probed
+        seconds += cost.step(plans)
+        lost += cost.step(plans) * (1 - true_rate(plans, alphas, cost) / plain_rate)
+    far = spec_policy.PROBE_BUDGET * spec_policy.PROBE_FAR_SHARE
+    assert probes > 8 and 0.5 * far < lost / seconds <= 1.5 * far, (probes, lost / seconds)
+
+
+def test_a_probe_is_judged_on_measurements_only_where_its_rows_were_timed_and_its_estimates_tested():
+    """Far from the break-even a probe gets less budget only where that distance was measured: a guess (the agnostic
+    prior, a scoring time read off other sizes) is what probes are there to correct. A new sequence's prior from
+    recent sequences of its kind counts as the positions behind it."""
+    cost = COSTS["dear-scoring"]
+    policy = informed_policy(cost, batch=8)
+    probe = [Plan(1)] + [Plan(0)] * 7
+    tested = AcceptanceEstimate(alpha=0.01, tested=1000)
+    assert policy._judged_on_measurements(probe, [(tested, 4)] * 8)
+    assert not policy._judged_on_measurements(probe, [(AcceptanceEstimate(), 4)] + [(tested, 4)] * 7)
+    for _ in range(spec_policy.MIN_POPULATION_POSITIONS):
+        policy.record_acceptance(False, 1, 0)
+    born = policy.new_estimate(greedy=False)
+    assert born.tested == 0 and born.prior_tested >= spec_policy.MIN_POPULATION_POSITIONS
+    assert policy._judged_on_measurements(probe, [(born, 4)] + [(tested, 4)] * 7)
+    guessed = SpecPolicy()
+    for query in range(8, 41, 8):
+        guessed.record_calibration(8, query, cost.scoring(8, query))  # warm-up only: never timed live
+    assert not guessed._judged_on_measurements(probe, [(tested, 4)] * 8)
+
+
 def test_where_a_batch_s_probe_is_dear_one_sequence_probes_at_a_time_in_turn():
     """Drafts hopeless at batch 8 where scoring is dear (a CPU's large batch): a probe of one sequence loses a
     fraction of what one for all eight does, so each probe drafts for one sequence, the one probed longest ago:
@@ -980,9 +1030,10 @@ def turnover_loss(alpha: float, costs: Costs, population: bool, batch: int = 8, 
 def test_new_requests_where_drafts_are_mostly_rejected_do_not_probe_as_if_half_were_accepted():
     """8 clients on a CPU (a 100 ms step, 2 ms a scored token, a 14 ms propose call), requests of 64 tokens. Where
     the target takes 10% of the drafts, starting every request from the population's estimate keeps the loss near
-    the probe budget (1.1% here); starting each from 0.5 (the negative control) loses nearly twice that (2.1%).
-    Where drafting pays (0.5), it still drafts from the first step of a request and gains."""
+    the probes' budget far from the break-even (0.45% here; 1.1% with the full budget, the rule before); starting
+    each from 0.5 (the negative control) loses several times that (2.1%: near the break-even, on a guess, probes
+    get the whole budget). Where drafting pays (0.5), it still drafts from the first step of a request and gains."""
     costs = Costs(0.025, 0.002, 0.014, 0.002)
     with_population, agnostic = turnover_loss(0.1, costs, True), turnover_loss(0.1, costs, False)
-    assert with_population < 0.015 and agnostic > 1.5 * with_population, (with_population, agnostic)
+    assert with_population < 0.007 and agnostic > 3 * with_population, (with_population, agnostic)
     assert turnover_loss(0.5, costs, True) < -0.03
