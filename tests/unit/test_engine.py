@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler
 from verifier_service.sequence import FinishReason, Sequence
+from verifier_service.spec_policy import AcceptanceEstimate
 
 VOCAB = 96
 EOS = VOCAB - 1
@@ -702,6 +704,46 @@ def _prefilled(scheduler: Scheduler, prompts: dict[str, list[int]]) -> None:
     for item in scheduler.schedule():
         item.seq.num_computed += item.num_feed
         item.seq.tokens.append(9)
+
+
+def test_a_step_that_prefills_a_prompt_drafts_for_no_sequence_whose_call_would_catch_up():
+    """Adaptive k, a sequence the drafter serves well: it drafts, but not in a step that feeds a prompt while its
+    propose call would carry a catch-up (its own prompt, never sent: a proposer on the verifier's cores is not
+    told of prompts): that call would hold up the new prompt's first token, also where the step's plan was made
+    before the prompt arrived. Caught up, it drafts beside a prompt."""
+    config = EngineConfig(num_speculative_tokens=4, max_num_seqs=4, max_model_len=64)
+
+    def arrive(scheduler: Scheduler, arrivals: dict[str, list[int]]) -> None:
+        for arrival, (seq_id, prompt) in enumerate(arrivals.items(), start=1):
+            seq = Sequence(seq_id, prompt, SamplingParams(max_tokens=20), arrival)
+            seq.tokens = list(prompt)
+            scheduler.add(seq)
+
+    def scheduler_with(arrivals: dict[str, list[int]]) -> Scheduler:
+        scheduler = Scheduler(config, BlockManager(32, 4))
+        _prefilled(scheduler, {"old": [1] * 12})
+        scheduler.running[0].acceptance = AcceptanceEstimate(alpha=0.95, tested=1000)
+        arrive(scheduler, arrivals)
+        return scheduler
+
+    def ks(scheduler: Scheduler) -> dict[str, tuple[int, int]]:
+        return {item.seq.seq_id: (item.num_feed, item.k) for item in scheduler.schedule()}
+
+    assert ks(scheduler_with({}))["old"][1] > 0  # alone it drafts
+    assert ks(scheduler_with({"new": [2] * 10})) == {"old": (1, 0), "new": (10, 0)}
+    caught_up = scheduler_with({"new": [2] * 10})
+    caught_up.running[0].num_sent_to_proposer = len(caught_up.running[0].tokens)
+    step = ks(caught_up)
+    assert step["old"][1] > 0 and step["new"] == (10, 0)
+    full = scheduler_with({"new": [2] * 10})
+    full.config = replace(config, max_num_seqs=1)  # no room to admit it: nobody's first token waits
+    assert ks(full)["old"][1] > 0
+    # The engine plans the next step as soon as a step ends (its early ask); a prompt that arrives meanwhile is
+    # added between the steps, and the plan made before it is made again
+    ahead = scheduler_with({})
+    assert ahead.plan_ahead()["old"].k > 0
+    arrive(ahead, {"new": [2] * 10})
+    assert ks(ahead) == {"old": (1, 0), "new": (10, 0)}
 
 
 def test_under_memory_pressure_an_older_sequences_draft_goes_before_a_newer_sequence():
