@@ -45,6 +45,7 @@ log = logging.getLogger("specdec.verifier.engine")
 RESYNC_BURST = 3  # whole-history resends a sequence may ask for in a row ...
 RESYNC_REFILL_TOKENS = 64  # ... and one more per this many tokens committed since
 WARM_UP_TOKENS = 4  # generated per warm-up request: the prefill step, then speculative steps
+FEATURE_SLAB_ROWS = 64  # a sequence's features are copied into slabs of this many rows (147 KB at width 576, fp32)
 
 
 class SpeculationRatios:
@@ -429,21 +430,21 @@ class Engine:
         """Features of the positions this step computed for good (`rows` of the step's hidden states, in order);
         none for a sequence that never drafts (max_draft_tokens = 0, or a resync refused)."""
         if seq.max_draft_tokens == 0:
-            seq.features = None  # it never drafts: nobody reads them
+            seq.features = seq.feature_slab = None  # it never drafts: nobody reads them
             return
         if hidden is None:
             return
         if seq.features is None:
             seq.features = FeatureStore()
         # A copy: a view would keep the step's whole batch. Rows 0..n-1 (a plain step, a prefill chunk, a chain's
-        # accepted prefix) are one slice's copy: an index tensor per sequence and step cost about twice that
-        # (0.046 against 0.025 ms for 8 sequences' one row each, bf16).
+        # accepted prefix) are one slice: an index tensor per sequence and step cost about twice that (0.046
+        # against 0.025 ms for 8 sequences' one row each, bf16).
         if rows == list(range(len(rows))):
             assert len(rows) <= hidden.shape[0], (len(rows), hidden.shape)  # as index_select would have refused
-            kept = hidden[: len(rows)].clone()
+            new = hidden[: len(rows)]
         else:
-            kept = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
-        seq.features.add(seq.num_computed, kept)
+            new = hidden.index_select(0, torch.tensor(rows, device=hidden.device))
+        seq.features.add(seq.num_computed, _in_slab(seq, new))
 
     def _measure_costs(
         self,
@@ -709,6 +710,23 @@ class Engine:
         self.scheduler.remove(seq)
         if self.drafter is not None:
             self.drafter.release([seq.seq_id])
+
+
+def _in_slab(seq: Sequence, rows: torch.Tensor) -> torch.Tensor:  # rows [n, width] -> a copy of them [n, width]
+    """A copy of a step's feature rows, in the sequence's slab of FEATURE_SLAB_ROWS rows (a new one when it is
+    full). One small tensor per sequence and step, kept for the request's life, landed in the heap space the
+    step's large buffers had just freed, so that the next step's came from fresh pages: at 8 clients the
+    speculating stack's verifier took 7.6x target-only's page faults, 70% of them in the sampler's float64 CDF
+    (docs/BENCHMARKS.md)."""
+    n, width = rows.shape
+    slab = seq.feature_slab
+    if slab is None or seq.feature_slab_used + n > slab.shape[0] or slab.shape[1] != width or slab.dtype != rows.dtype:
+        slab = seq.feature_slab = rows.new_empty(max(FEATURE_SLAB_ROWS, n), width)
+        seq.feature_slab_used = 0
+    kept = slab[seq.feature_slab_used : seq.feature_slab_used + n]
+    kept.copy_(rows)
+    seq.feature_slab_used += n
+    return kept
 
 
 def _rows(features: torch.Tensor | None) -> int:

@@ -43,6 +43,8 @@ class Sequence:
     acceptance: AcceptanceEstimate = field(default_factory=AcceptanceEstimate)
     features: FeatureStore | None = None  # kept only when the drafter reads them (EAGLE)
     num_features_sent: int = 0  # positions whose features the proposer has been sent
+    feature_slab: torch.Tensor | None = None  # [rows, width]: where its next features are copied (engine._in_slab)
+    feature_slab_used: int = 0  # its rows written
     proposer_stream: int = 0  # the proposer stream (RemoteProposer.connections) that saw it last
     resyncs_left: float = 3.0  # whole-history resends this sequence may still ask for (engine.py refills them)
     resync_mark: int = 0  # len(tokens) at the last refill

@@ -746,6 +746,30 @@ def test_a_step_that_prefills_a_prompt_drafts_for_no_sequence_whose_call_would_c
     assert ks(ahead) == {"old": (1, 0), "new": (10, 0)}
 
 
+def test_kept_features_are_copies_in_a_slab_per_sequence():
+    """A step's feature rows are copied into the sequence's slab (one allocation per FEATURE_SLAB_ROWS rows, not
+    one per step: small long-lived tensors fragmented the heap under the sampler's large buffers): each copy holds
+    the rows it was given, later rows never touch it, and a slab full, or rows of another width, start a new one."""
+    from verifier_service import engine as engine_module
+
+    seq = Sequence("s", [1, 2, 3], SamplingParams(max_tokens=200), 0)
+    rows = engine_module.FEATURE_SLAB_ROWS
+    first = torch.randn(3, 8)
+    kept = engine_module._in_slab(seq, first)
+    slab = seq.feature_slab
+    assert torch.equal(kept, first) and kept.data_ptr() != first.data_ptr() and slab is not None
+    steps = [torch.randn(1, 8) for _ in range(rows - 3)]
+    copies = [engine_module._in_slab(seq, step) for step in steps]
+    assert seq.feature_slab is slab  # the same slab until it is full
+    assert torch.equal(kept, first) and all(torch.equal(c, s) for c, s in zip(copies, steps, strict=True))
+    engine_module._in_slab(seq, torch.randn(1, 8))
+    assert seq.feature_slab is not slab and seq.feature_slab_used == 1  # full: a new one
+    wide = engine_module._in_slab(seq, torch.ones(2, 16))
+    assert seq.feature_slab.shape == (rows, 16) and torch.equal(wide, torch.ones(2, 16))
+    big = engine_module._in_slab(seq, torch.zeros(rows + 5, 16))  # a long prefill chunk: a slab its size
+    assert big.shape == (rows + 5, 16) and seq.feature_slab.shape == (rows + 5, 16)
+
+
 def test_under_memory_pressure_an_older_sequences_draft_goes_before_a_newer_sequence():
     """The scheduler's order (scheduler.py): draft slots are given back before any sequence is preempted. Two
     sequences, one free block: the older one's k = 4 draft would take it, and the newer one could not decode."""
