@@ -24,11 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec_bench import gateway_bench as gb
-
-
-def _cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+from specdec_bench.step_phases import cpu_seconds
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         for s in stacks.values():
             asyncio.run(gb.run_gateway(s.gateway.address, prompts[:1], 1, 8, args.temperature))  # warm-up
         pids = {p.name: p.proc.pid for p in procs if p.proc is not None}
-        cpu_before = {name: _cpu_seconds(pid) for name, pid in pids.items()}
+        cpu_before = {name: cpu_seconds(pid) for name, pid in pids.items()}
         started = time.perf_counter()
         samples: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
         for round_ in range(args.rounds):
@@ -75,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 samples[name].append(asyncio.run(m).summary())
         wall = time.perf_counter() - started
-        cpu = {name: _cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
+        cpu = {name: cpu_seconds(pid) - cpu_before[name] for name, pid in pids.items()}
     finally:
         for p in reversed(procs):
             p.stop()

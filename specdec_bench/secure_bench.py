@@ -53,6 +53,7 @@ from specdec_bench.gateway_bench import (
 )
 from specdec_bench.prompts import GENERAL_PROMPTS
 from specdec_bench.report import load_average, run_meta, write_report
+from specdec_bench.step_phases import cpu_seconds as process_cpu_seconds
 
 MARK_START = "<!-- secure-bench:start -->"
 MARK_END = "<!-- secure-bench:end -->"
@@ -169,10 +170,9 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
     out = {}
     for p in stack.procs:
         try:
-            fields = Path(f"/proc/{p.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()  # type: ignore[union-attr]
+            out[p.name.rsplit("-", 1)[1]] = process_cpu_seconds(p.proc.pid)  # type: ignore[union-attr]
         except (OSError, AttributeError):
             return {}
-        out[p.name.rsplit("-", 1)[1]] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
     return out
 
 
