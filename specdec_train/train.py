@@ -265,12 +265,16 @@ class Trainer:
         and the output norm scaled to the old head's typical output RMS (both measured on `batch`), so the new
         head starts out drafting like the old one. The other layers' fuse columns start at 0.
         Into another EAGLE-1 head every weight is copied as it is: training goes on from that head (new data,
-        a longer unroll), e.g. a committed head trained on across sessions whose data did not survive."""
+        a longer unroll), e.g. a committed head trained on across sessions whose data did not survive. A deeper
+        head's extra decoder layers start as the identity (their attention and MLP outputs projected by zeros,
+        so the residual passes through): it drafts exactly as the old head at first, and only gains depth as
+        training moves those projections."""
         if "fuse.weight" in eagle1:
             raise ValueError("a warm start takes an EAGLE-1 head (a fused head cannot start another)")
         weights = {name: value for name, value in eagle1.items() if name != "vocab_subset"}
         if "fuse.weight" not in self.state:
             self.load_weights(weights)
+            self._extra_layers_as_identity(weights)
             return
         if -1 not in self.feature_layers:
             raise ValueError("a warm start takes an EAGLE-1 head into a fused head whose layers include -1")
@@ -285,6 +289,15 @@ class Trainer:
         fuse.zero_()
         fuse[:, slot * hidden : (slot + 1) * hidden] = input_rms * torch.eye(hidden)
         self.state["norm.weight"].fill_(output_rms)
+
+    def _extra_layers_as_identity(self, weights: dict[str, torch.Tensor]) -> None:
+        """Zero the output projections of the decoder layers `weights` has none of."""
+        source_layers = {name.split(".")[1] for name in weights if name.startswith("layers.")}
+        with torch.no_grad():
+            for i in range(self.arch.num_layers):
+                if str(i) not in source_layers:
+                    self.state[f"layers.{i}.self_attn.o_proj.weight"].zero_()
+                    self.state[f"layers.{i}.mlp.down_proj.weight"].zero_()
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy `weights` into the trainable state in place (the optimizer keeps its parameters)."""

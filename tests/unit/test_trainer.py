@@ -323,6 +323,16 @@ def test_warm_start_from_an_eagle1_head_drafts_like_it():
         Trainer(old_arch, embed, lm_head, torch.arange(16), TrainConfig(), (0, 1)).start_from(old_state, None)
 
 
+def _unrolled_old_and_new(trainer: Trainer, old_state, old_arch, embed, unroll: int):
+    """(old head's step, warm-started head's step) for each unroll step, on the same random features."""
+    gen = torch.Generator().manual_seed(2)
+    features, next_ids = torch.randn(1, 9, old_arch.hidden_size, generator=gen) * 3, torch.randint(0, 96, (1, 9))
+    with torch.no_grad():
+        old = unrolled_forward(old_state, old_arch, trainer.rotary, features, F.embedding(next_ids, embed), unroll)
+        new = trainer.forward(Batch(features, next_ids, features[0]), unroll)
+    return list(zip(old, new, strict=True))
+
+
 def test_warm_start_of_an_eagle1_head_from_an_eagle1_head_goes_on_from_its_weights():
     """Training on from a committed EAGLE-1 head: every weight copied as it is, so the first forward is the
     old head's exactly; a fused head is refused as a source."""
@@ -331,16 +341,35 @@ def test_warm_start_of_an_eagle1_head_from_an_eagle1_head_goes_on_from_its_weigh
     trainer = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
     assert not torch.equal(trainer.state["fc.weight"], old_state["fc.weight"])
     trainer.start_from(old_state, None)
-    gen = torch.Generator().manual_seed(2)
-    features, next_ids = torch.randn(1, 9, arch.hidden_size, generator=gen) * 3, torch.randint(0, 96, (1, 9))
-    with torch.no_grad():
-        old = unrolled_forward(old_state, arch, trainer.rotary, features, F.embedding(next_ids, embed), 2)
-        new = trainer.forward(Batch(features, next_ids, features[0]), 2)
-    for old_step, new_step in zip(old, new, strict=True):
+    for old_step, new_step in _unrolled_old_and_new(trainer, old_state, arch, embed, 2):
         assert torch.equal(old_step, new_step)
     _, fused_state, _ = _arch_and_state(fused=True)
     with pytest.raises(ValueError, match="fused head cannot start"):
         trainer.start_from(fused_state, None)
+
+
+def test_a_deeper_head_warm_started_from_an_eagle1_head_drafts_exactly_like_it_and_its_new_layer_can_learn():
+    """Two decoder layers from a one-layer head: layer 0 copied, layer 1 the identity (zero output projections),
+    so every unroll step equals the old head's; the loss has a gradient on those projections, so training
+    moves them."""
+    arch, old_state, layers = _arch_and_state(fused=False, seed=4)
+    deep_arch = arch_from_config(head_config(ours(tiny_hf_model(seed=3, layers=4))[1], 2, 16, layers))
+    embed, lm_head = torch.randn(96, arch.hidden_size), torch.randn(96, arch.hidden_size)
+    trainer = Trainer(deep_arch, embed, lm_head, torch.arange(16), TrainConfig(unroll=3), layers)
+    trainer.start_from(old_state, None)
+    for old_step, new_step in _unrolled_old_and_new(trainer, old_state, arch, embed, 3):
+        assert torch.equal(old_step, new_step)
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert not trainer.state[f"layers.1.{name}"].any()
+    gen = torch.Generator().manual_seed(3)
+    conv = {"tokens": torch.randint(0, 96, (10,), generator=gen), "generated": torch.ones(10, dtype=torch.bool)}
+    final = torch.randn(10, arch.hidden_size, generator=gen) * 3
+    batch = make_batch([conv], [(final, final)], unroll=3, max_len=10)
+    assert batch is not None
+    loss, _ = trainer.loss(batch)
+    loss.backward()
+    for name in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+        assert trainer.state[f"layers.1.{name}"].grad.abs().sum() > 0
 
 
 class CountingFeatures:
