@@ -4,6 +4,7 @@ two-step case, and the held-out measure against greedy drafting with the serving
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -353,7 +354,7 @@ def test_a_deeper_head_warm_started_from_an_eagle1_head_drafts_exactly_like_it_a
     so every unroll step equals the old head's; the loss has a gradient on those projections, so training
     moves them."""
     arch, old_state, layers = _arch_and_state(fused=False, seed=4)
-    deep_arch = arch_from_config(head_config(ours(tiny_hf_model(seed=3, layers=4))[1], 2, 16, layers))
+    deep_arch = dataclasses.replace(arch, num_layers=2)
     embed, lm_head = torch.randn(96, arch.hidden_size), torch.randn(96, arch.hidden_size)
     trainer = Trainer(deep_arch, embed, lm_head, torch.arange(16), TrainConfig(unroll=3), layers)
     trainer.start_from(old_state, None)
