@@ -5,6 +5,13 @@ scored by its cumulative log draft probability (the product along its path). At 
 best candidates of that depth are fed to the drafter (one batched forward for all sequences: `_expand_logits`),
 and their `tree_width` best tokens become the next depth's candidates. Finally the `max_tree_nodes` best
 candidates are kept: a child never scores above its parent, so the kept set holds every kept node's ancestors.
+A node off the best-guess path (each depth's best child of the path above: the chain the drafter would have
+sent) whose path probability is below the request's `min_node_prob` (the verifier's price of a scored node, in
+tokens) is neither kept nor fed: with the committed head a node is accepted about as often as its path
+probability says (greedy; about half as often at T = 0.8), and a third of the nodes of an 8-node tree fall under 5%
+and are accepted 2-4% of the time, while each costs the verifier a scored row (docs/BENCHMARKS.md, "Tree nodes
+the drafter is sure of"). The best-guess path stays whole: the verifier judges what a tree adds by it
+(`Draft.best_guess_verdict`), as a chain of the same depth.
 
 Nodes are deterministic guesses (no probabilities are sent): the verifier accepts a child with the target's
 probability of its token under the residual (verifier_service/tree_verify.py), exact for greedy and sampled
@@ -14,6 +21,7 @@ and the drafter's plain softmax for greedy ones, whose one-hot distribution woul
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -68,10 +76,12 @@ class _Node:
 class _Tree:
     nodes: list[_Node] = field(default_factory=list)
     fed: int = 0  # expansions so far
+    path: set[int] = field(default_factory=set)  # the best-guess path's nodes so far
 
 
 def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
     trees = [_Tree() for _ in reqs]
+    floors = [math.log(req.min_node_prob) if req.min_node_prob > 0 else -math.inf for req in reqs]
     rows = list(range(len(reqs)))
     logits = drafter._root_logits(reqs, rows)  # [rows, width]
     for row, best in zip(rows, _best_tokens(drafter, _log_probs(logits, [reqs[i] for i in rows])), strict=True):
@@ -84,7 +94,8 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
             frontier = [i for i, node in enumerate(tree.nodes) if node.depth == depth]
             for i in sorted(frontier, key=lambda i: -tree.nodes[i].score)[: drafter.tree_beam]:
                 node = tree.nodes[i]
-                if not _children_can_be_kept(tree, node.score, req.max_tree_nodes):
+                priced_out = node.score < floors[row] and i not in tree.path
+                if priced_out or not _children_can_be_kept(tree, node.score, req.max_tree_nodes):
                     continue
                 above = tree.nodes[node.parent].ancestors if node.parent >= 0 else ()
                 node.ancestors = (*above, tree.fed)
@@ -97,7 +108,7 @@ def draft_trees(drafter: PagedDrafter, reqs: list[DraftRequest]) -> list[Draft]:
         log_probs = _log_probs(logits, [reqs[e.row] for e in expansions])
         for (tree, i), best in zip(expanded, _best_tokens(drafter, log_probs), strict=True):
             _add_children(drafter, tree, i, tree.nodes[i].score, best)
-    return [_kept(req, tree) for req, tree in zip(reqs, trees, strict=True)]
+    return [_kept(req, tree, floor) for req, tree, floor in zip(reqs, trees, floors, strict=True)]
 
 
 def _log_probs(logits: torch.Tensor, reqs: list[DraftRequest]) -> torch.Tensor:  # [rows, width]
@@ -123,6 +134,8 @@ def _best_tokens(drafter: PagedDrafter, log_probs: torch.Tensor) -> list[list[tu
 
 def _add_children(drafter: PagedDrafter, tree: _Tree, parent: int, score: float, best: list[tuple[float, int]]) -> None:
     depth = tree.nodes[parent].depth + 1 if parent >= 0 else 1
+    if best and (parent < 0 or parent in tree.path):
+        tree.path.add(len(tree.nodes))  # the best child of the path's last node (a -inf one is never fed)
     for value, index in best:
         if value > float("-inf"):  # a truncated distribution may hold fewer tokens than the width
             tree.nodes.append(_Node(drafter._token(index), parent, depth, score + value))
@@ -136,10 +149,14 @@ def _children_can_be_kept(tree: _Tree, score: float, max_nodes: int) -> bool:
     return sum(node.score >= score for node in tree.nodes) < max_nodes
 
 
-def _kept(req: DraftRequest, tree: _Tree) -> Draft:
-    """The best max_tree_nodes nodes (ties to the earlier: a parent before its children), in creation order,
-    which is topological."""
-    kept = sorted(sorted(range(len(tree.nodes)), key=lambda i: (-tree.nodes[i].score, i))[: req.max_tree_nodes])
+def _kept(req: DraftRequest, tree: _Tree, floor: float = -math.inf) -> Draft:
+    """Of the best max_tree_nodes nodes (ties to the earlier: a parent before its children), those scored at least
+    `floor` and the best-guess path through them, in creation order, which is topological."""
+    best = sorted(sorted(range(len(tree.nodes)), key=lambda i: (-tree.nodes[i].score, i))[: req.max_tree_nodes])
+    path, node = set(), -1
+    while (child := next((i for i in best if tree.nodes[i].parent == node), None)) is not None:
+        path.add(node := child)  # the first in creation order: its parent's best child
+    kept = [i for i in best if tree.nodes[i].score >= floor or i in path]
     position = {node: j for j, node in enumerate(kept)}
     tokens = [tree.nodes[i].token for i in kept]
     parents = [position[tree.nodes[i].parent] if tree.nodes[i].parent >= 0 else -1 for i in kept]

@@ -255,6 +255,7 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             seq.draft_position,
             seq.tenant,
             seq.max_tree_nodes if k > 0 else 0,
+            max(0.0, seq.min_tree_node_prob) if math.isfinite(seq.min_tree_node_prob) else 0.0,
         )
 
     async def _draft(self, releases: list[str], requests: list[DraftRequest]) -> list[Draft]:

@@ -34,6 +34,9 @@ class DraftRequest:
     tenant: str = ""
     # Largest token tree the verifier scores this step (nodes, depth <= k); 0: a chain of at most k tokens.
     max_tree_nodes: int = 0
+    # A tree's nodes the drafter gives a path probability below this are not sent (its best-guess path is):
+    # what a scored node costs the verifier, in tokens it emits (the speculation policy's price). 0: any.
+    min_node_prob: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -565,7 +565,7 @@ class Engine:
         for seq in self.scheduler.running:
             plan = plans.get(seq.seq_id)
             if plan is not None and plan.k > 0 and seq.num_uncomputed == 1:
-                asks.append(self._request(seq, len(seq.tokens), plan.k, plan.tree_nodes))
+                asks.append(self._request(seq, len(seq.tokens), plan.k, plan.tree_nodes, plan.min_node_prob))
         if not asks:
             return
         self.early_stats.asked += len(asks)
@@ -581,9 +581,9 @@ class Engine:
         """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's
         draft shape (k = 0 for a prompt chunk or a sequence that does not draft)."""
         k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
-        return self._request(s.seq, committed, k, nodes)
+        return self._request(s.seq, committed, k, nodes, s.min_node_prob)
 
-    def _request(self, seq: Sequence, committed: int, k: int, nodes: int) -> DraftRequest:
+    def _request(self, seq: Sequence, committed: int, k: int, nodes: int, min_node_prob: float = 0.0) -> DraftRequest:
         stream = getattr(self.drafter, "connections", 0)
         if seq.proposer_stream != stream:
             # A new stream holds nothing of the sequence: send it whole now, uncharged, rather than have the
@@ -598,7 +598,17 @@ class Engine:
             seq.features.trim(seq.features.end - FEATURE_WINDOW)  # kept only for a resync: its recent part
         seq.num_sent_to_proposer = committed
         return DraftRequest(
-            seq.seq_id, committed, new, k, seq.params, features, feature_start, seq.output_position, seq.tenant, nodes
+            seq.seq_id,
+            committed,
+            new,
+            k,
+            seq.params,
+            features,
+            feature_start,
+            seq.output_position,
+            seq.tenant,
+            nodes,
+            min_node_prob if nodes else 0.0,
         )
 
     def _resync(self, seq: Sequence, charged: bool = True) -> None:
@@ -682,7 +692,7 @@ class Engine:
             k = len(draft.token_ids)  # scored draft tokens: a tree's nodes
             if draft.is_tree:  # a chain's verdict for alpha: the tree's best-guess path's
                 drafted, accepted = draft.best_guess_verdict(tokens[:num_accepted])
-                seq.acceptance.update_tree(max(depth, draft.depth()), num_accepted, drafted, accepted)
+                seq.acceptance.update_tree(max(depth, draft.depth()), num_accepted, drafted, accepted, k)
             else:
                 drafted, accepted = k, num_accepted
                 seq.acceptance.update(drafted, accepted)

@@ -404,6 +404,7 @@ class RemoteProposer:
                 draft_position=r.draft_position,
                 tenant=r.tenant,
                 max_tree_nodes=r.max_tree_nodes,
+                min_tree_node_prob=r.min_node_prob if r.max_tree_nodes else 0.0,
             )
             if r.features is not None and info is not None and info.needs_target_features:
                 sequence.target_features.CopyFrom(features_to_proto(r.feature_start, r.features, info.feature_dtype))

@@ -43,6 +43,7 @@ class ScheduledSeq:
     num_feed: int  # committed tokens fed this step
     k: int  # draft length (a tree's depth) scored after them (only when the feed reaches the end)
     tree_nodes: int = 0  # > 0: a token tree of at most this many nodes may be scored instead of a chain
+    min_node_prob: float = 0.0  # a tree's nodes the drafter thinks less likely are not sent (Plan.min_node_prob)
 
     @property
     def draft_slots(self) -> int:
@@ -180,7 +181,7 @@ class Scheduler:
             return None
         k = min(plan.k, budget - num_feed) if num_feed == seq.num_uncomputed else 0
         nodes = min(plan.tree_nodes, budget - num_feed) if k else 0
-        drafting = ScheduledSeq(seq, num_feed, k, nodes if nodes > k else 0)
+        drafting = ScheduledSeq(seq, num_feed, k, *((nodes, plan.min_node_prob) if nodes > k else (0, 0.0)))
         for item in (drafting, ScheduledSeq(seq, num_feed, 0)) if drafting.draft_slots else (drafting,):
             # under memory pressure drafting goes first
             if self._reserve(seq, seq.num_computed + num_feed + item.draft_slots):

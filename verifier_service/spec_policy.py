@@ -143,6 +143,10 @@ MIN_TREES = 8
 # the chain of 2-3 the policy chose instead.
 TREE_EXPLORE_EVERY = 32
 TREE_EXPLORE_LOSS = 0.3
+# A tree's nodes that the drafter puts below the plan's price are not sent (`SpecPolicy._priced`), so a tree scores
+# fewer rows than its bound: a kind's trees are expected to score as many as its recent ones did, a moving average
+# over about the last ten (the price moves with the measured costs).
+NODES_WEIGHT = 0.1
 
 log = logging.getLogger("specdec.policy")
 
@@ -173,8 +177,11 @@ class TreeMisses:
     best_rejected: float = 0.0
     trees: int = 0
     passed_over: int = 0  # plans since a tree of this kind was verified where a sequence of it drafted a chain
+    nodes: float = 0.0  # the nodes its trees scored, a moving average over about the last 1 / NODES_WEIGHT (0: none)
 
-    def update(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int) -> None:
+    def update(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int, nodes: int = 0) -> None:
+        if nodes:
+            self.nodes = nodes if not self.nodes else self.nodes + NODES_WEIGHT * (nodes - self.nodes)
         keep = 1.0 - TREE_WEIGHT
         self.tree_tested = keep * self.tree_tested + min(depth, num_accepted + 1)
         self.tree_rejected = keep * self.tree_rejected + (num_accepted < depth)
@@ -216,11 +223,11 @@ class AcceptanceEstimate:
     def _weight(self) -> float:
         return max(self.weight, 1.0 / (self.tested + 2))
 
-    def update_tree(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int) -> None:
+    def update_tree(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int, nodes: int = 0) -> None:
         """A tree `depth` deep accepted `num_accepted` drafts; its best-guess path (`best_guess_path`), the chain the
         drafter would have sent, was `best_drafted` long and had its first `best_accepted` accepted: a chain's
         verdict for alpha, so that a sequence drafting trees still follows its text."""
-        self.tree_misses.update(depth, num_accepted, best_drafted, best_accepted)
+        self.tree_misses.update(depth, num_accepted, best_drafted, best_accepted, nodes)
         self.update(best_drafted, best_accepted)
 
     def chain_gain(self, k: int) -> float:
@@ -407,7 +414,7 @@ def _shape(plans: list[Plan]) -> tuple[int, int, int, bool]:
     """A step's batch size, draft tokens in all (a tree's nodes), deepest draft and whether any is a tree."""
     drafted, depth, tree = 0, 0, False
     for plan in plans:  # one loop, no calls: every plan weighed comes here
-        drafted += plan.tree_nodes or plan.k
+        drafted += plan.scored_nodes or plan.tree_nodes or plan.k
         if plan.k > depth:
             depth = plan.k
         if plan.tree_nodes:
@@ -511,6 +518,10 @@ class PlainMemo:
 class Plan:
     k: int  # chain length (a tree's depth)
     tree_nodes: int = 0  # > 0: a tree of this many nodes instead of a chain
+    # A tree's nodes less likely than this (the drafter's own path probability) are not worth their scored row:
+    # what one costs, in tokens at the plan's rate (`SpecPolicy._priced`). 0: any.
+    min_node_prob: float = 0.0
+    scored_nodes: int = 0  # a tree's rows as expected (its kind's recent trees: TreeMisses.nodes); 0: tree_nodes
 
 
 @dataclass
@@ -617,7 +628,9 @@ class SpecPolicy:
         if drafting is None and any(k_max for _, k_max in seqs):  # the probe that costs least: probed most often
             drafting = min(unfair, key=lambda plans: self._probe_loss(self._lifted(plans, seqs), seqs, plain_rate))
             drafting_rate = self._rate(drafting, seqs)
-        chosen = self._explore_trees(self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary), seqs)
+        chosen = self._priced(
+            self._explore_trees(self._choose(seqs, plain, plain_rate, drafting, drafting_rate, vary), seqs), seqs
+        )
         clearly = drafting is not None and drafting_rate < plain_rate * (1 - PLAIN_MARGIN)
         if chosen is plain and clearly and self.scoring.measured(batch, batch):  # not on a guessed plain time
             self._plain_memo = PlainMemo(key, self._probe_every, REPLAN_EVERY - 1)
@@ -658,6 +671,20 @@ class SpecPolicy:
             return plain
         return self._vary(drafting, seqs) if vary else drafting
 
+    def _priced(self, chosen: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
+        """The plan, its trees told what a node must be worth: a scored row's time at the plan's expected rate, in
+        tokens (Dinkelbach's price, as `_best_for` prices a chain's positions). A node whose path the drafter puts
+        below it emits less than its row costs: with the committed head a greedy node is accepted about 1.2 times as
+        often as its path probability, a sampled one (T = 0.8) about half as often, so the price is taken as the
+        probability itself. The plan's time still counts every node of its trees: the saving is measured, not
+        expected (scoring is recorded by the rows scored)."""
+        if not any(p.tree_nodes for p in chosen):
+            return chosen
+        price = self._rate(chosen, seqs) * self.scoring.slope(len(chosen))
+        if price <= 0:
+            return chosen
+        return [replace(p, min_node_prob=min(price, 1.0)) if p.tree_nodes else p for p in chosen]
+
     def _explore_trees(self, chosen: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
         """The plan, or where a sequence drafts a chain whose kind's trees were passed over TREE_EXPLORE_EVERY times,
         that sequence's tree instead, if its step is expected to take at most TREE_EXPLORE_LOSS longer: a tree holds
@@ -672,7 +699,7 @@ class SpecPolicy:
             misses.passed_over += 1
             if misses.passed_over < TREE_EXPLORE_EVERY:
                 continue
-            explored = [*chosen[:i], Plan(k_max, nodes), *chosen[i + 1 :]]
+            explored = [*chosen[:i], self._tree(acc, k_max), *chosen[i + 1 :]]
             if self._time(explored) <= (1 + TREE_EXPLORE_LOSS) * self._time(chosen):
                 misses.passed_over = 0
                 return explored
@@ -693,7 +720,7 @@ class SpecPolicy:
     @staticmethod
     def _lifted(plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
         """A plan as a probe runs it: every sequence that may draft drafts at least one token."""
-        return [Plan(max(p.k, 1), p.tree_nodes) if k else p for p, (_, k) in zip(plans, seqs, strict=True)]
+        return [replace(p, k=max(p.k, 1)) if k else p for p, (_, k) in zip(plans, seqs, strict=True)]
 
     def _cheapest_probe(
         self, probe: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], plain_rate: float
@@ -764,17 +791,18 @@ class SpecPolicy:
         batch = len(seqs)
         depth = max((p.k for p in chosen), default=0) or 1
         calls = self.propose_tree if any(p.tree_nodes for p in chosen) else self.propose_chain
-        trees = [Plan(k_max, self.max_tree_nodes) if k_max else Plan(0) for _, k_max in seqs]
+        trees = [self._tree(acc, k_max) if k_max else Plan(0) for acc, k_max in seqs]
         parts = self._measured_parts(*_shape(trees))
         log.debug(
-            "plan batch=%d alpha=%s tree gain=%s (misses %s) chosen=%s probe=%s rate plain/drafting=%.1f/%.1f tok/s "
+            "plan batch=%d alpha=%s tree gain=%s (misses %s) chosen=%s node price=%.3f probe=%s "
+            "rate plain/drafting=%.1f/%.1f tok/s "
             "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms "
             "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx step chosen/trees=%s/%s ms "
             "(trees: scoring/propose/rest=%s)",
             batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]],
             [round(acc.expected_tree_gain(k_max), 2) for acc, k_max in seqs[:8]] if self.max_tree_nodes else "-",
-            [(round(acc.tree_misses.share, 2), acc.tree_misses.trees) for acc, _ in seqs[:8]],
-            [(p.k, p.tree_nodes) for p in chosen[:8]],
+            [(round(a.tree_misses.share, 2), a.tree_misses.trees, round(a.tree_misses.nodes, 1)) for a, _ in seqs[:8]],
+            [(p.k, p.tree_nodes) for p in chosen[:8]], max((p.min_node_prob for p in chosen), default=0.0),
             self.probed, plain_rate, drafting_rate, 1e3 * (self.scoring.estimate(batch, batch) or 0.0),
             1e3 * self.scoring.slope(batch), depth, _ms(calls.estimate(batch, depth)), depth,
             _ms(self._rest(batch, 0)), _ms(self._rest(batch, depth)),
@@ -787,7 +815,7 @@ class SpecPolicy:
         self._probes += 1
         step = 1 if self._probes % 2 else -1
         return [
-            Plan(min(k_max, max(1, p.k + step)), p.tree_nodes) if p.k else p
+            replace(p, k=min(k_max, max(1, p.k + step))) if p.k else p
             for p, (_, k_max) in zip(plans, seqs, strict=True)
         ]
 
@@ -884,10 +912,16 @@ class SpecPolicy:
             k += 1
         nodes = self.max_tree_nodes
         if depth == k_max >= 1 and nodes > k_max:
-            tree_value = acc.expected_tree_gain(k_max) - token_price * nodes
+            tree = self._tree(acc, k_max)
+            tree_value = acc.expected_tree_gain(k_max) - token_price * (tree.scored_nodes or nodes)
             if tree_value > acc.chain_gain(k) - token_price * k:
-                return Plan(k_max, nodes)
+                return tree
         return Plan(k)
+
+    def _tree(self, acc: AcceptanceEstimate, k_max: int) -> Plan:
+        """A tree at the sequence's full depth, expected to score as many rows as its kind's recent trees."""
+        nodes = self.max_tree_nodes
+        return Plan(k_max, nodes, scored_nodes=min(nodes, round(acc.tree_misses.nodes)))
 
     def _rate(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]], kind: str | None = None) -> float:
         """Expected tokens per second of a plan (0 when a time is unknown and the plan is plain decoding: any

@@ -516,6 +516,28 @@ def test_the_remote_proposer_sends_the_draft_position_and_the_tenant():
     assert [s.tenant for s in msg.sequences] == ["alice", ""]
 
 
+def test_a_trees_node_price_travels_to_the_proposer_and_a_chain_carries_none():
+    """The policy's price of a scored node (DraftRequest.min_node_prob) goes with a tree request
+    (ProposeSequence.min_tree_node_prob) and comes out of the proposer's servicer as it went in; a chain's request
+    carries none, and a value no drafter could use (negative, NaN) is read as none."""
+    from proposer_service.server import ProposerServicer, _StreamState
+    from shared.drafting import DraftRequest
+    from verifier_service.remote_proposer import RemoteProposer
+
+    requests = [
+        DraftRequest("tree", 3, [1, 2, 3], 4, max_tree_nodes=8, min_node_prob=0.0625),
+        DraftRequest("chain", 2, [4, 5], 4, min_node_prob=0.0625),
+    ]
+    msg = RemoteProposer(["127.0.0.1:1"], vocab_size=VOCAB)._build_request(requests)
+    assert [s.min_tree_node_prob for s in msg.sequences] == [0.0625, 0.0]
+    servicer = ProposerServicer(None, ProposerInfo("eagle", max_k=8))  # type: ignore[arg-type]
+    stream = _StreamState(1, set(), set())
+    assert servicer._to_domain(msg.sequences[0], stream).min_node_prob == 0.0625
+    for bad in (-0.5, float("nan")):
+        msg.sequences[0].min_tree_node_prob = bad
+        assert servicer._to_domain(msg.sequences[0], stream).min_node_prob == 0.0
+
+
 BAD_REQUESTS = [
     (request([], 5), "empty"),
     (request(list(range(1, 100)) * 3, 5), "context limit"),

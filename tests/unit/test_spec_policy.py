@@ -911,6 +911,11 @@ def test_a_lag_is_paid_once_so_a_plan_is_charged_it_spread_over_the_steps_left(m
     assert first_drafting_step(0.3) is None  # as before: the lock
 
 
+def shapes(plans: list[Plan]) -> list[tuple[int, int]]:
+    """(k, tree nodes) per plan: what a plan drafts, not what it prices its nodes at."""
+    return [(p.k, p.tree_nodes) for p in plans]
+
+
 def one_client_policy(chain_scoring: float, tree_scoring: float) -> SpecPolicy:
     """A policy that timed batch 1 at one row (41 ms), a chain of 4 (5 rows) and a tree of 8 (9 rows), and propose
     calls of chains and trees at depths 1 and 4."""
@@ -926,13 +931,45 @@ def one_client_policy(chain_scoring: float, tree_scoring: float) -> SpecPolicy:
 def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
     policy = one_client_policy(0.046, 0.051)
     acc = AcceptanceEstimate(alpha=0.5, tested=1000)
-    assert policy.plan([(acc, 4)]) == [Plan(4, 8)]  # untried: the prior
+    assert shapes(policy.plan([(acc, 4)])) == [(4, 8)]  # untried: the prior
     for _ in range(spec_policy.MIN_TREES):  # measured: no better than their best guesses
         acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
     assert policy.plan([(acc, 4)])[0].tree_nodes == 0
     for _ in range(200):  # then trees that are accepted whole where their best guesses were not
         acc.tree_misses.update(depth=4, num_accepted=4, best_drafted=4, best_accepted=1)
-    assert policy.plan([(acc, 4)]) == [Plan(4, 8)]
+    assert shapes(policy.plan([(acc, 4)])) == [(4, 8)]
+
+
+def test_a_trees_nodes_are_priced_at_what_a_scored_row_costs_in_tokens():
+    """A tree plan tells the drafter the least path probability a node must have (Plan.min_node_prob): a scored
+    row's time (the scoring line's slope at the batch size) at the plan's expected rate. Chains are not priced."""
+    policy = one_client_policy(0.046, 0.051)
+    seqs = [(AcceptanceEstimate(alpha=0.5, tested=1000), 4)]
+    plan = policy.plan(seqs)
+    assert shapes(plan) == [(4, 8)]
+    price = policy._rate(plan, seqs) * policy.scoring.slope(1)
+    assert 0.01 < price < 0.2  # ~1.2 ms a row at ~40 tokens a second
+    assert plan[0].min_node_prob == pytest.approx(price)
+    chains = SpecPolicy()
+    for batch_query, seconds in ((1, 0.041), (5, 0.046)):
+        chains.record_step(1, batch_query, seconds)
+    chain = chains.plan(seqs)
+    assert chain[0].k > 0 and chain[0].tree_nodes == 0 and chain[0].min_node_prob == 0.0
+
+
+def test_a_kinds_trees_are_expected_to_score_as_many_rows_as_its_recent_trees_did():
+    """Priced trees send fewer nodes than their bound: a kind's trees are then expected to score what its recent
+    ones scored (TreeMisses.nodes, a moving average), so that a tree's step is not costed at its whole bound."""
+    policy = one_client_policy(0.043, 0.051)
+    acc = AcceptanceEstimate(alpha=0.5, tested=1000)
+    assert policy.plan([(acc, 4)])[0].scored_nodes == 0  # no tree seen yet: its bound
+    for _ in range(40):
+        acc.tree_misses.update(depth=4, num_accepted=2, best_drafted=3, best_accepted=1, nodes=5)
+    assert acc.tree_misses.nodes == pytest.approx(5.0)
+    tree = policy._tree(acc, 4)
+    assert (tree.k, tree.tree_nodes, tree.scored_nodes) == (4, 8, 5)
+    assert policy._time([tree]) == pytest.approx(policy._time([Plan(4, 5)]))
+    assert policy._time([tree]) < policy._time([Plan(4, 8)])
 
 
 def test_trees_judged_poor_are_still_drafted_now_and_then_where_that_costs_little():
@@ -972,7 +1009,7 @@ def test_a_few_unlucky_first_trees_do_not_turn_a_kind_to_chains():
             return acc.tree_misses.share, policy.plan([(acc, 4)])[0]
 
     share, plan = share_and_plan(16.0)
-    assert share < 0.92 and plan == Plan(4, 8)
+    assert share < 0.92 and shapes([plan]) == [(4, 8)]
     share, plan = share_and_plan(4.0)
     assert share > 0.95 and plan.tree_nodes == 0
 

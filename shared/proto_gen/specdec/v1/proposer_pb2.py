@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from shared.proto_gen.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/proposer.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe4\x01\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.specdec.v1.ProposeSequence\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\t\x12\x43\n\rtrace_context\x18\x04 \x03(\x0b\x32,.specdec.v1.ProposeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x9b\x02\n\x0fProposeSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x15\n\rfull_sequence\x18\x04 \x01(\x08\x12\t\n\x01k\x18\x05 \x01(\r\x12\x33\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0ftarget_features\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\x12\x16\n\x0e\x64raft_position\x18\x08 \x01(\r\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\n \x01(\r\"\x82\x01\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\'\n\x05\x64type\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\\\n\x0fProposeResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x11.specdec.v1.Draft\x12\x15\n\rdraft_time_us\x18\x03 \x01(\x04\"\xc2\x01\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64raft_prob_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x02\x12\x19\n\x11\x64raft_prob_counts\x18\x06 \x03(\r\x12\x14\n\x0cneeds_resync\x18\x07 \x01(\x08\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\"C\n\x0eGetInfoRequest\x12\x16\n\x0emax_tree_nodes\x18\x01 \x01(\r\x12\x19\n\x11max_draft_support\x18\x02 \x01(\r\"\xcb\x02\n\x0fGetInfoResponse\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposerKind\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1d\n\x15needs_target_features\x18\x07 \x01(\x08\x12\x1a\n\x12target_hidden_size\x18\x08 \x01(\r\x12/\n\rfeature_dtype\x18\t \x01(\x0e\x32\x18.specdec.v1.FeatureDtype\x12\x1d\n\x15target_feature_layers\x18\n \x03(\x05\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\r*\x7f\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT16\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT32\x10\x03*\x98\x01\n\x0cProposerKind\x12\x1d\n\x19PROPOSER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19PROPOSER_KIND_DRAFT_MODEL\x10\x01\x12\x17\n\x13PROPOSER_KIND_NGRAM\x10\x02\x12\x17\n\x13PROPOSER_KIND_EAGLE\x10\x03\x12\x18\n\x14PROPOSER_KIND_SUFFIX\x10\x04\x32\x96\x01\n\x08Proposer\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/proposer.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe4\x01\n\x0eProposeRequest\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\tsequences\x18\x02 \x03(\x0b\x32\x1b.specdec.v1.ProposeSequence\x12\x17\n\x0frelease_seq_ids\x18\x03 \x03(\t\x12\x43\n\rtrace_context\x18\x04 \x03(\x0b\x32,.specdec.v1.ProposeRequest.TraceContextEntry\x1a\x33\n\x11TraceContextEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xb7\x02\n\x0fProposeSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x15\n\rfull_sequence\x18\x04 \x01(\x08\x12\t\n\x01k\x18\x05 \x01(\r\x12\x33\n\x0fsampling_params\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x33\n\x0ftarget_features\x18\x07 \x01(\x0b\x32\x1a.specdec.v1.TargetFeatures\x12\x16\n\x0e\x64raft_position\x18\x08 \x01(\r\x12\x0e\n\x06tenant\x18\t \x01(\t\x12\x16\n\x0emax_tree_nodes\x18\n \x01(\r\x12\x1a\n\x12min_tree_node_prob\x18\x0b \x01(\x02\"\x82\x01\n\x0eTargetFeatures\x12\x16\n\x0estart_position\x18\x01 \x01(\r\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x13\n\x0bhidden_size\x18\x03 \x01(\r\x12\'\n\x05\x64type\x18\x04 \x01(\x0e\x32\x18.specdec.v1.FeatureDtype\x12\x0c\n\x04\x64\x61ta\x18\x05 \x01(\x0c\"\\\n\x0fProposeResponse\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12!\n\x06\x64rafts\x18\x02 \x03(\x0b\x32\x11.specdec.v1.Draft\x12\x15\n\rdraft_time_us\x18\x03 \x01(\x04\"\xc2\x01\n\x05\x44raft\x12\x0e\n\x06seq_id\x18\x01 \x01(\t\x12\x15\n\rcommitted_len\x18\x02 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x03 \x03(\x05\x12\x1c\n\x14\x64raft_prob_token_ids\x18\x04 \x03(\x05\x12\x13\n\x0b\x64raft_probs\x18\x05 \x03(\x02\x12\x19\n\x11\x64raft_prob_counts\x18\x06 \x03(\r\x12\x14\n\x0cneeds_resync\x18\x07 \x01(\x08\x12\x15\n\rdraft_parents\x18\x08 \x03(\x05\"C\n\x0eGetInfoRequest\x12\x16\n\x0emax_tree_nodes\x18\x01 \x01(\r\x12\x19\n\x11max_draft_support\x18\x02 \x01(\r\"\xcb\x02\n\x0fGetInfoResponse\x12&\n\x04kind\x18\x01 \x01(\x0e\x32\x18.specdec.v1.ProposerKind\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x1d\n\x15tokenizer_fingerprint\x18\x04 \x01(\t\x12\r\n\x05max_k\x18\x05 \x01(\r\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x1d\n\x15needs_target_features\x18\x07 \x01(\x08\x12\x1a\n\x12target_hidden_size\x18\x08 \x01(\r\x12/\n\rfeature_dtype\x18\t \x01(\x0e\x32\x18.specdec.v1.FeatureDtype\x12\x1d\n\x15target_feature_layers\x18\n \x03(\x05\x12\x0f\n\x07host_id\x18\x0b \x01(\t\x12\x0c\n\x04\x63pus\x18\x0c \x03(\r*\x7f\n\x0c\x46\x65\x61tureDtype\x12\x1d\n\x19\x46\x45\x41TURE_DTYPE_UNSPECIFIED\x10\x00\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT16\x10\x01\x12\x1a\n\x16\x46\x45\x41TURE_DTYPE_BFLOAT16\x10\x02\x12\x19\n\x15\x46\x45\x41TURE_DTYPE_FLOAT32\x10\x03*\x98\x01\n\x0cProposerKind\x12\x1d\n\x19PROPOSER_KIND_UNSPECIFIED\x10\x00\x12\x1d\n\x19PROPOSER_KIND_DRAFT_MODEL\x10\x01\x12\x17\n\x13PROPOSER_KIND_NGRAM\x10\x02\x12\x17\n\x13PROPOSER_KIND_EAGLE\x10\x03\x12\x18\n\x14PROPOSER_KIND_SUFFIX\x10\x04\x32\x96\x01\n\x08Proposer\x12\x46\n\x07Propose\x12\x1a.specdec.v1.ProposeRequest\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x12\x42\n\x07GetInfo\x12\x1a.specdec.v1.GetInfoRequest\x1a\x1b.specdec.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,26 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._loaded_options = None
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_options = b'8\001'
-  _globals['_FEATUREDTYPE']._serialized_start=1410
-  _globals['_FEATUREDTYPE']._serialized_end=1537
-  _globals['_PROPOSERKIND']._serialized_start=1540
-  _globals['_PROPOSERKIND']._serialized_end=1692
+  _globals['_FEATUREDTYPE']._serialized_start=1438
+  _globals['_FEATUREDTYPE']._serialized_end=1565
+  _globals['_PROPOSERKIND']._serialized_start=1568
+  _globals['_PROPOSERKIND']._serialized_end=1720
   _globals['_PROPOSEREQUEST']._serialized_start=67
   _globals['_PROPOSEREQUEST']._serialized_end=295
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_start=244
   _globals['_PROPOSEREQUEST_TRACECONTEXTENTRY']._serialized_end=295
   _globals['_PROPOSESEQUENCE']._serialized_start=298
-  _globals['_PROPOSESEQUENCE']._serialized_end=581
-  _globals['_TARGETFEATURES']._serialized_start=584
-  _globals['_TARGETFEATURES']._serialized_end=714
-  _globals['_PROPOSERESPONSE']._serialized_start=716
-  _globals['_PROPOSERESPONSE']._serialized_end=808
-  _globals['_DRAFT']._serialized_start=811
-  _globals['_DRAFT']._serialized_end=1005
-  _globals['_GETINFOREQUEST']._serialized_start=1007
-  _globals['_GETINFOREQUEST']._serialized_end=1074
-  _globals['_GETINFORESPONSE']._serialized_start=1077
-  _globals['_GETINFORESPONSE']._serialized_end=1408
-  _globals['_PROPOSER']._serialized_start=1695
-  _globals['_PROPOSER']._serialized_end=1845
+  _globals['_PROPOSESEQUENCE']._serialized_end=609
+  _globals['_TARGETFEATURES']._serialized_start=612
+  _globals['_TARGETFEATURES']._serialized_end=742
+  _globals['_PROPOSERESPONSE']._serialized_start=744
+  _globals['_PROPOSERESPONSE']._serialized_end=836
+  _globals['_DRAFT']._serialized_start=839
+  _globals['_DRAFT']._serialized_end=1033
+  _globals['_GETINFOREQUEST']._serialized_start=1035
+  _globals['_GETINFOREQUEST']._serialized_end=1102
+  _globals['_GETINFORESPONSE']._serialized_start=1105
+  _globals['_GETINFORESPONSE']._serialized_end=1436
+  _globals['_PROPOSER']._serialized_start=1723
+  _globals['_PROPOSER']._serialized_end=1873
 # @@protoc_insertion_point(module_scope)

@@ -52,7 +52,7 @@ class ProposeRequest(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sequences: _Optional[_Iterable[_Union[ProposeSequence, _Mapping]]] = ..., release_seq_ids: _Optional[_Iterable[str]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ProposeSequence(_message.Message):
-    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position", "tenant", "max_tree_nodes")
+    __slots__ = ("seq_id", "committed_len", "new_token_ids", "full_sequence", "k", "sampling_params", "target_features", "draft_position", "tenant", "max_tree_nodes", "min_tree_node_prob")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LEN_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class ProposeSequence(_message.Message):
     DRAFT_POSITION_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     MAX_TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    MIN_TREE_NODE_PROB_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     committed_len: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -73,7 +74,8 @@ class ProposeSequence(_message.Message):
     draft_position: int
     tenant: str
     max_tree_nodes: int
-    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ..., tenant: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ...) -> None: ...
+    min_tree_node_prob: float
+    def __init__(self, seq_id: _Optional[str] = ..., committed_len: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., full_sequence: _Optional[bool] = ..., k: _Optional[int] = ..., sampling_params: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., target_features: _Optional[_Union[TargetFeatures, _Mapping]] = ..., draft_position: _Optional[int] = ..., tenant: _Optional[str] = ..., max_tree_nodes: _Optional[int] = ..., min_tree_node_prob: _Optional[float] = ...) -> None: ...
 
 class TargetFeatures(_message.Message):
     __slots__ = ("start_position", "rows", "hidden_size", "dtype", "data")
