@@ -676,8 +676,8 @@ class SpecPolicy:
         tokens (Dinkelbach's price, as `_best_for` prices a chain's positions). A node whose path the drafter puts
         below it emits less than its row costs: with the committed head a greedy node is accepted about 1.2 times as
         often as its path probability, a sampled one (T = 0.8) about half as often, so the price is taken as the
-        probability itself. The plan's time still counts every node of its trees: the saving is measured, not
-        expected (scoring is recorded by the rows scored)."""
+        probability itself. What the price saves is learned, not assumed: a tree is costed at the rows its kind's
+        recent trees scored (`_tree`), and scoring is recorded by the rows a step scored."""
         if not any(p.tree_nodes for p in chosen):
             return chosen
         price = self._rate(chosen, seqs) * self.scoring.slope(len(chosen))
