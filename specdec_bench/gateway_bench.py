@@ -41,7 +41,6 @@ import functools
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from shared.tls import ClientTLS, aio_channel, sync_channel
 from specdec_bench.engine_bench import NUM_THREADS, chat_ids
 from specdec_bench.prompts import GENERAL_PROMPTS, QUOTING_PROMPTS
 from specdec_bench.report import load_average, run_meta, write_report
+from specdec_local.processes import free_port
 from specdec_local.run_figures import figures, scrape
 
 HOST = "127.0.0.1"
@@ -186,12 +186,6 @@ DIRECT_LABEL = "verifier directly (no gateway), draft model, k=4"
 
 
 # ---- the service processes -----------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
 
 
 def _command(script: str, module: str) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -74,10 +75,39 @@ class StackPKI(Protocol):
     def client(self) -> ClientTLS: ...
 
 
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LISTEN_SPAN = 8192  # the ports below the ephemeral range that services are given
+_handed_out: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A free port for a service started later, below the kernel's ephemeral range: a port the kernel picked
+    (bind to 0) could meanwhile become the local port of an outgoing connection of a service already running (a
+    client, a health check), and the later service fails to bind it (`gateway_bench` lost a whole run to this,
+    2026-12-06: "Failed to bind to address 127.0.0.1:49717"). Never the same port twice in a process."""
+    low = _ephemeral_low()
+    for _ in range(1000):
+        port = random.randint(max(1024, low - LISTEN_SPAN), low - 1) if low > 1024 + 64 else 0
+        if port in _handed_out:
+            continue
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((HOST, port))
+            except OSError:
+                continue
+            port = s.getsockname()[1]
+        _handed_out.add(port)
+        return port
+    raise RuntimeError(f"no free port below {low}")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out for outgoing connections (Linux's default 32768); 0 if unknown, and
+    then any port the kernel gives."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def service_env() -> dict[str, str]:
