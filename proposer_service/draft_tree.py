@@ -134,11 +134,12 @@ def _best_tokens(drafter: PagedDrafter, log_probs: torch.Tensor) -> list[list[tu
 
 def _add_children(drafter: PagedDrafter, tree: _Tree, parent: int, score: float, best: list[tuple[float, int]]) -> None:
     depth = tree.nodes[parent].depth + 1 if parent >= 0 else 1
-    if best and (parent < 0 or parent in tree.path):
-        tree.path.add(len(tree.nodes))  # the best child of the path's last node (a -inf one is never fed)
+    first = len(tree.nodes)
     for value, index in best:
         if value > float("-inf"):  # a truncated distribution may hold fewer tokens than the width
             tree.nodes.append(_Node(drafter._token(index), parent, depth, score + value))
+    if len(tree.nodes) > first and (parent < 0 or parent in tree.path):
+        tree.path.add(first)  # the best child of the path's last node
 
 
 def _children_can_be_kept(tree: _Tree, score: float, max_nodes: int) -> bool:
@@ -151,12 +152,10 @@ def _children_can_be_kept(tree: _Tree, score: float, max_nodes: int) -> bool:
 
 def _kept(req: DraftRequest, tree: _Tree, floor: float = -math.inf) -> Draft:
     """Of the best max_tree_nodes nodes (ties to the earlier: a parent before its children), those scored at least
-    `floor` and the best-guess path through them, in creation order, which is topological."""
+    `floor` and those on the best-guess path, in creation order, which is topological. The best nodes hold a prefix
+    of the path: a path node's first child outranks its siblings, so it is among them if any sibling is."""
     best = sorted(sorted(range(len(tree.nodes)), key=lambda i: (-tree.nodes[i].score, i))[: req.max_tree_nodes])
-    path, node = set(), -1
-    while (child := next((i for i in best if tree.nodes[i].parent == node), None)) is not None:
-        path.add(node := child)  # the first in creation order: its parent's best child
-    kept = [i for i in best if tree.nodes[i].score >= floor or i in path]
+    kept = [i for i in best if tree.nodes[i].score >= floor or i in tree.path]
     position = {node: j for j, node in enumerate(kept)}
     tokens = [tree.nodes[i].token for i in kept]
     parents = [position[tree.nodes[i].parent] if tree.nodes[i].parent >= 0 else -1 for i in kept]

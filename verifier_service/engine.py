@@ -608,7 +608,7 @@ class Engine:
             seq.output_position,
             seq.tenant,
             nodes,
-            min_node_prob if nodes else 0.0,
+            min_node_prob,
         )
 
     def _resync(self, seq: Sequence, charged: bool = True) -> None:
