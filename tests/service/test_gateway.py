@@ -9,7 +9,6 @@ resumed elsewhere must produce exactly what an uninterrupted one would.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,6 +30,7 @@ from shared.proto_gen.specdec.v1 import (
     verifier_pb2_grpc,
 )
 from shared.settings import default_target_model
+from specdec_local.processes import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -168,12 +168,6 @@ async def start_fake(name: str = "v", **kwargs: Any) -> FakeServer:
     fs = FakeServer(fake, server, health, f"127.0.0.1:{port}")
     await fs.set_serving(True)
     return fs
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Harness:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -31,6 +30,7 @@ from proposer_service.config import ProposerConfig
 from proposer_service.ngram import NgramDrafter
 from proposer_service.server import ProposerServer
 from shared.proto_gen.specdec.v1 import gateway_pb2, gateway_pb2_grpc, verifier_pb2, verifier_pb2_grpc
+from specdec_local.processes import free_port
 from tests.integration.test_logprobs import hf_logprobs
 from verifier_service.config import VerifierConfig
 from verifier_service.server import VerifierServer
@@ -43,12 +43,6 @@ CHAT = [
     {"role": "user", "content": "The quick brown fox jumps over the lazy dog. Repeat that sentence twice."},
 ]
 ATOL = 1e-4
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

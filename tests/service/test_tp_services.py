@@ -12,7 +12,6 @@ import asyncio
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,6 +25,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proposer_service.config import ProposerConfig
 from proposer_service.server import ProposerServer
 from shared.proto_gen.specdec.v1 import verifier_pb2, verifier_pb2_grpc
+from specdec_local.processes import free_port
 from tests.tiny import hf_greedy, tiny_hf_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -120,12 +120,6 @@ def test_verifier_tp2_and_proposer_tp2_greedy_then_rank_failures(tmp_path):
                 await proposer.server.stop(0)
 
     asyncio.run(asyncio.wait_for(body(), 150))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def generate(stub, prompt: list[int], max_tokens: int) -> list[int]:
