@@ -36,7 +36,8 @@ from verifier_service.early_ask import EarlyAsk, EarlyAskStats
 from verifier_service.grammar_masks import GrammarMasks, MaskTiming
 from verifier_service.scheduler import ScheduledSeq, Scheduler
 from verifier_service.sequence import FinishReason, Sequence
-from verifier_service.spec_policy import Plan, StepCost
+from verifier_service.spec_policy import Plan
+from verifier_service.step_times import StepCost
 from verifier_service.verify import ScoredRow, Verdict, trim, verify
 
 # The engine's errors are the shared domain errors, so servicers map them in one place.

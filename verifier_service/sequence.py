@@ -11,7 +11,7 @@ import torch
 from shared.drafting import FeatureStore
 from shared.grammar import GrammarMatcher
 from shared.sampling import SamplingParams
-from verifier_service.spec_policy import AcceptanceEstimate
+from verifier_service.acceptance import AcceptanceEstimate
 
 
 class FinishReason(enum.StrEnum):

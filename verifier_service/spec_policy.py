@@ -50,13 +50,13 @@ tree's verdict counts for alpha as its best-guess path's (the chain the drafter 
 
 from __future__ import annotations
 
-import bisect
 import logging
 import statistics
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+
+from verifier_service.acceptance import AcceptanceEstimate, TreeMisses
+from verifier_service.step_times import DRAFTING, FRESH_S, PLAIN, PROBE, Outcomes, StepCost, StepTimes
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
 PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
@@ -80,25 +80,6 @@ FAIR_SHARE = 0.97
 # policy's simulation (tests/unit/test_spec_policy.py) lost 2.1% to plain decoding, 1.1% from the population's.
 POPULATION_WEIGHT = 0.01
 MIN_POPULATION_POSITIONS = 20
-# A size measured within this many seconds is estimated from those times alone; older ones count only where none
-# is newer. And while a drafting plan is chosen, a plain step is run when plain decoding at the batch size was
-# last measured longer ago (at most one step in this many seconds): through the gateway at 8 clients (bf16 target,
-# Zen 4 host) plain steps measured during a slow minute (50-87 ms, against 36-44 ms in the target-only stack of
-# the same run) made plain decoding look 1.6x dearer than it was, and the policy drafted at 0.89-0.93x target-only
-# from then on without ever timing a plain step again.
-FRESH_S = 5.0
-# A step's parts are each timed as their median of recent times: what a step usually costs, not what it costs on
-# average (the odd slow propose call, the catch-up a probe carries after plain steps). So each kind of step (plain,
-# drafting, probe) per batch size is expected as much slower as its last OUTCOME_WINDOW steps ran, start to start,
-# than their parts' medians said, believed as far as they outnumber OUTCOME_PRIOR
-# (PROBE_PRIOR for probes). Through the gateway at 8 clients
-# (bf16 target, Zen 4 host, 2026-12-05) probes at k = 1 were expected to take 30 ms and took 50 (a 19 ms catch-up
-# in the propose call), plain steps 21.0 ms and 22.0.
-OUTCOME_WINDOW = 64
-OUTCOME_PRIOR = 16
-# Probes are few by design (and then each is believed sooner): at 8 clients, T = 0.8, about one a request, and
-# the first ones of a fresh batch carry every prompt (8 x 40-60 tokens through the EAGLE head, 25-30 ms).
-PROBE_PRIOR = 2
 # While plain decoding is clearly best (the best drafting plan PLAIN_MARGIN slower or more) and no sequence's
 # estimate changed (none drafted), the plan is made again only every REPLAN_EVERY steps; between, each step counts
 # towards the next probe at the last plan's probe loss. At batch 8 a plan took 0.3-0.5 ms of Python against a 21 ms
@@ -120,22 +101,6 @@ CATCH_UP_WINDOW = 16
 # spreads it over its own: a lag is not worth paying for a token or two.
 CATCH_UP_HORIZON = 16
 
-# Trees (`TreeMisses`): a tree's other guesses rescue some of the positions where the drafter's best guess, a
-# chain's token, is rejected. With the committed EAGLE head (`specdec_train.evaluate`, 54 held-out prompts) a
-# chain of 4 accepts 0.50 / 0.24 / 0.12 / 0.06 greedy and trees of at most 10 nodes 0.68 / 0.40 / 0.19 / 0.08:
-# 0.83 of the chain's rejections, at T = 0.8 about 0.85. The prior is a little better than that (trees are tried,
-# then judged): the trees' and their best-guess paths' rejection rates start from TREE_PRIOR_SHARE times
-# TREE_PRIOR_REJECTION and from TREE_PRIOR_REJECTION, each worth TREE_PRIOR_POSITIONS tested positions at first;
-# the sums, the prior's included, decay by TREE_WEIGHT a tree. Over whole held-out runs with a tree every step the
-# share is 0.835 greedy and 0.840 at T = 0.8, but from eight trees (about 15 tested positions) its estimate spreads
-# by about +-0.2: through the gateway the sampled kind's came out 0.96-1.00 after 8-14 trees with a prior of 4
-# positions that never decayed, and its requests drafted chains for the rest of the run. Worth 16 at first, the
-# prior holds a few unlucky trees near it; after fifty trees it is worth 6, after a hundred 2.
-TREE_PRIOR_SHARE = 0.8
-TREE_PRIOR_REJECTION = 0.5
-TREE_PRIOR_POSITIONS = 16.0
-TREE_WEIGHT = 0.02
-MIN_TREES = 8
 # A kind of sequence whose trees were passed over for this many of its chains drafts one, where that makes the
 # step at most TREE_EXPLORE_LOSS longer: at most about 1% of the time (the probes' budget, PROBE_BUDGET), and an
 # estimate that came out poor by chance, or a drafter whose trees got better, is noticed. At 10% no tree was
@@ -143,271 +108,8 @@ MIN_TREES = 8
 # the chain of 2-3 the policy chose instead.
 TREE_EXPLORE_EVERY = 32
 TREE_EXPLORE_LOSS = 0.3
-# A tree's nodes that the drafter puts below the plan's price are not sent (`SpecPolicy._priced`), so a tree scores
-# fewer rows than its bound: a kind's trees are expected to score as many as its recent ones did, a moving average
-# over about the last ten (the price moves with the measured costs).
-NODES_WEIGHT = 0.1
 
 log = logging.getLogger("specdec.policy")
-
-
-@dataclass
-class TreeMisses:
-    """The share of a chain's rejections that the drafter's trees still reject, over recent trees of one kind of
-    sequence (greedy or sampled): a tree's other guesses rescue the rest. A property of the drafter more than of a
-    sequence's text, so it is learned across sequences, and a sequence's own text enters through its chain
-    acceptance: a tree's per-position acceptance is 1 - share * (1 - alpha). One estimate per sequence, learned
-    from its trees alone, was set by its first tree: one that accepted nothing made a chain look better for the
-    rest of the request, and no tree was drafted again to correct it (through the gateway at one client, fp32
-    target, the policy drafted 1 tree in 205 plans while a tree every step ran 7-11% faster).
-
-    Each tree holds its own chain: the best-guess path (`Draft.best_guess_verdict`), tested on the same text up to
-    its first rejection. The share is the trees' rejections per tested position over their best-guess paths', as
-    ratios of sums decayed by TREE_WEIGHT a tree (about the last fifty count), each rate starting from its prior
-    worth TREE_PRIOR_POSITIONS positions, which decays with them. Judged against the sequences' alpha instead, the
-    first trees of sampled requests met the agnostic prior of 0.5 where their chains accepted 0.35-0.4, and a share
-    of 1.27 after eight trees kept every later request on chains. Until MIN_TREES trees were verified the share is
-    never worse than the prior, so that trees are tried before they are judged; and `SpecPolicy` still drafts one
-    now and then where it is expected to cost little (TREE_EXPLORE_EVERY), so that an estimate that came out poor
-    by chance is corrected."""
-
-    tree_tested: float = 0.0  # decayed sums over the trees: positions tested and rejections met
-    tree_rejected: float = 0.0
-    best_tested: float = 0.0  # the same over their best-guess paths
-    best_rejected: float = 0.0
-    trees: int = 0
-    passed_over: int = 0  # plans since a tree of this kind was verified where a sequence of it drafted a chain
-    nodes: float = 0.0  # the nodes its trees scored, a moving average over about the last 1 / NODES_WEIGHT (0: none)
-
-    def update(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int, nodes: int = 0) -> None:
-        if nodes:
-            self.nodes = nodes if not self.nodes else self.nodes + NODES_WEIGHT * (nodes - self.nodes)
-        keep = 1.0 - TREE_WEIGHT
-        self.tree_tested = keep * self.tree_tested + min(depth, num_accepted + 1)
-        self.tree_rejected = keep * self.tree_rejected + (num_accepted < depth)
-        self.best_tested = keep * self.best_tested + min(best_drafted, best_accepted + 1)
-        self.best_rejected = keep * self.best_rejected + (best_accepted < best_drafted)
-        self.trees += 1
-        self.passed_over = 0
-
-    @property
-    def share(self) -> float:
-        prior = TREE_PRIOR_POSITIONS * (1.0 - TREE_WEIGHT) ** self.trees  # old evidence: it decays as the trees'
-        tree_rate = (self.tree_rejected + TREE_PRIOR_SHARE * TREE_PRIOR_REJECTION * prior) / (self.tree_tested + prior)
-        best_rate = (self.best_rejected + TREE_PRIOR_REJECTION * prior) / (self.best_tested + prior)
-        measured = tree_rate / best_rate
-        return min(measured, TREE_PRIOR_SHARE) if self.trees < MIN_TREES else measured
-
-
-@dataclass
-class AcceptanceEstimate:
-    """An exponential moving average of one sequence's acceptance per chain position (`alpha`), and its kind's
-    `TreeMisses`, for what a tree of the same depth would accept."""
-
-    alpha: float = 0.5  # an agnostic prior: try drafting, then learn
-    weight: float = 0.05  # about the last 20 tested positions: a few steps of a sequence's recent text
-    tested: int = 0  # positions seen: the first ones count as a running mean (the prior is worth 2 of them)
-    probed_at: int = -1  # the policy's probe count when a probe last drafted for this sequence (-1: never)
-    prior_tested: int = 0  # positions behind the prior: those recent sequences of its kind tested (0: agnostic)
-    tree_misses: TreeMisses = field(default_factory=TreeMisses)  # shared by the sequences of a kind
-
-    def update(self, num_drafted: int, num_accepted: int) -> None:
-        # Positions past the first rejection were never tested: they carry no evidence.
-        tested = min(num_drafted, num_accepted + 1)
-        for position in range(tested):
-            accepted = 1.0 if position < num_accepted else 0.0
-            self.tested += 1
-            self.alpha += self._weight * (accepted - self.alpha)
-
-    @property
-    def _weight(self) -> float:
-        return max(self.weight, 1.0 / (self.tested + 2))
-
-    def update_tree(self, depth: int, num_accepted: int, best_drafted: int, best_accepted: int, nodes: int = 0) -> None:
-        """A tree `depth` deep accepted `num_accepted` drafts; its best-guess path (`best_guess_path`), the chain the
-        drafter would have sent, was `best_drafted` long and had its first `best_accepted` accepted: a chain's
-        verdict for alpha, so that a sequence drafting trees still follows its text."""
-        self.tree_misses.update(depth, num_accepted, best_drafted, best_accepted, nodes)
-        self.update(best_drafted, best_accepted)
-
-    def chain_gain(self, k: int) -> float:
-        """Expected accepted drafts of a chain of k: a + a^2 + ... + a^k."""
-        return _geometric(self.alpha, k)
-
-    def expected_tree_gain(self, depth: int) -> float:
-        """A tree's expected accepted drafts: a chain's of the same depth at the tree's per-position acceptance."""
-        return _geometric(min(1.0, max(0.0, 1.0 - self.tree_misses.share * (1.0 - self.alpha))), depth)
-
-
-def _geometric(alpha: float, k: int) -> float:
-    return alpha * (1 - alpha**k) / (1 - alpha) if alpha != 1.0 else float(k)
-
-
-class StepTimes:
-    """Recent times (seconds) per batch size and size (query tokens, or draft depth), fitted per batch size as a
-    line through the medians (robust to the odd slow step) of each size's times of the last FRESH_S seconds, or
-    all of its times where none is that recent; a batch size without a line of its own borrows the slope of the
-    nearest one that has.
-
-    Times measured before serving (`calibrate`) fill the sizes not measured since, scaled by how the live times
-    compare with them where both exist: a warm-up timed on a busy machine (the other services starting beside
-    it) keeps its shape but not its level, so the sizes serving never tries do not stay as dear as they were."""
-
-    def __init__(
-        self,
-        window: int = 16,
-        scales_with_batch: bool = True,
-        stepwise: bool = False,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
-        self.window = window
-        self.clock = clock
-        # A cost that rises in steps (`stepwise`: the target's scoring; bf16 products with AMX run 16 rows at a
-        # time): a batch size measured at two sizes or more is estimated from its own points, made non-decreasing
-        # (isotonic), not from one line through them all. With bf16 weights in blocks of 16, at batch 8
-        # 8 to 16 rows took 35-39 ms, 18 to 32 rows 59-67 ms, 34 to 48 rows 83-88 ms: a line through 8, 16, 24
-        # and 40 rows put 16 at 45 ms and 24 at 58, so the plan that fills 16 rows (k = 1 for all) looked dear.
-        self.stepwise = stepwise
-        # A batch size measured nowhere: the nearest one's line, scaled by the batch ratio when larger (a target
-        # step), or as it is (a propose call: one batched forward, its cost far from linear in the batch; a
-        # guess on the cheap side drafts, is measured and corrects, one on the dear side is never tried).
-        self.scales_with_batch = scales_with_batch
-        self.samples: dict[int, dict[int, deque[tuple[float, float]]]] = {}  # batch -> size -> (when, seconds)
-        self.calibrated: dict[int, dict[int, float]] = {}  # batch -> size -> seconds, before serving
-        self._lines: dict[int, tuple[float, float] | None] = {}  # batch -> (base, per unit), cached until new data
-        self._steps: dict[int, list[tuple[int, float]]] = {}  # batch -> isotonic (size, seconds), cached likewise
-        # batch -> (size, seconds) where that one size is all that is known (no other batch has a line): a smaller
-        # size is estimated as its share of it, the cheap side (a per-call cost would make it dearer), as a larger
-        # one is by the flat line. At batch 1 (bf16 target, T = 0.8) the first propose calls were at k = 4 (6.3 ms),
-        # and k = 1 looked as dear: the policy decoded plainly for a whole 128-token request at 62 tok/s where
-        # drafting 2-3 tokens ran at 72-73.
-        self._only: dict[int, tuple[int, float]] = {}
-
-    def calibrate(self, batch: int, size: int, seconds: float) -> None:
-        if seconds > 0:
-            self.calibrated.setdefault(batch, {})[size] = seconds
-            self._forget(batch)
-
-    def add(self, batch: int, size: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        sizes = self.samples.setdefault(batch, {})
-        sizes.setdefault(size, deque(maxlen=self.window)).append((self.clock(), seconds))
-        self._forget(batch)
-
-    def measured(self, batch: int, size: int) -> bool:
-        """Measured live at this size (not only at warm-up, not a guess from other sizes)."""
-        return bool(self.samples.get(batch, {}).get(size))
-
-    def stale(self, batch: int, size: int) -> bool:
-        """Measured live at this size, but not within FRESH_S seconds."""
-        times = self.samples.get(batch, {}).get(size)
-        return times is not None and len(times) > 0 and self.clock() - times[-1][0] > FRESH_S
-
-    def _median(self, times: deque[tuple[float, float]]) -> tuple[float, int]:
-        """The median of the times measured within FRESH_S seconds, or of all where none is that recent, and how
-        many it is the median of."""
-        since = self.clock() - FRESH_S
-        used = [seconds for when, seconds in times if when >= since] or [seconds for _, seconds in times]
-        return statistics.median(used), len(used)
-
-    def _forget(self, batch: int) -> None:
-        self._lines.pop(batch, None)
-        self._steps.pop(batch, None)
-        self._only.pop(batch, None)
-
-    def estimate(self, batch: int, size: int) -> float | None:
-        """The expected time, or None when nothing is known at this batch size."""
-        line = self.line(batch)
-        if line is None:
-            return None
-        only = self._only.get(batch)
-        if only is not None and 0 < size < only[0]:  # one size measured: a smaller one as its share of it
-            return only[1] * size / only[0]
-        if self.stepwise:
-            if batch not in self._steps:
-                self._steps[batch] = _isotonic(self._points(batch))
-            if len(self._steps[batch]) >= 2:
-                return self._step_estimate(self._steps[batch], size, line[1])
-        return max(0.0, line[0] + line[1] * size)
-
-    @staticmethod
-    def _step_estimate(steps: list[tuple[int, float]], size: int, slope: float) -> float:
-        """Between the measured sizes (isotonic fit), a straight line from one to the next; outside them, the
-        nearest one's time and the line's slope. Between two sizes a step may hide (the warm-up measures them
-        close together where it matters); a guess on the cheap side is tried, measured and corrected, one on the
-        dear side is never tried."""
-        index = bisect.bisect_left(steps, (size, -1.0))
-        if index == len(steps) or index == 0:
-            nearest_size, seconds = steps[min(index, len(steps) - 1)]
-            return max(0.0, seconds + slope * (size - nearest_size))
-        (lower_size, lower), (upper_size, upper) = steps[index - 1], steps[index]
-        return lower + (upper - lower) * (size - lower_size) / (upper_size - lower_size)
-
-    def has_slope(self, batch: int) -> bool:
-        """Measured at two sizes or more at this batch size."""
-        return len(self._points(batch)) >= 2
-
-    def slope(self, batch: int) -> float:
-        line = self.line(batch)
-        return line[1] if line is not None else 0.0
-
-    def line(self, batch: int) -> tuple[float, float] | None:
-        if batch not in self._lines:
-            self._lines[batch] = self._fit(batch)
-        return self._lines[batch]
-
-    def _fit(self, batch: int) -> tuple[float, float] | None:
-        points = self._points(batch)
-        if len(points) >= 2:
-            return _line(points)
-        others = [b for b in {*self.samples, *self.calibrated} if b != batch and len(self._points(b)) >= 2]
-        if not others:
-            if points:
-                self._only[batch] = points[0][:2]
-            return (points[0][1], 0.0) if points else None
-        nearest = min(others, key=lambda b: abs(b - batch))
-        base, slope = _line(self._points(nearest))
-        if points:  # this batch's own level, the neighbour's slope
-            size, seconds, _ = points[0]
-            return seconds - slope * size, slope
-        scale = batch / nearest if batch > nearest and self.scales_with_batch else 1.0
-        return base * scale, slope
-
-    def _behind(self, batch: int) -> set[int]:
-        """The sizes timed live whose newest time is older than `window` times of other sizes at this batch size."""
-        sizes = {size: times for size, times in self.samples.get(batch, {}).items() if times}
-        whens = sorted(when for times in sizes.values() for when, _ in times)
-        return {
-            size
-            for size, times in sizes.items()
-            if len(whens) - bisect.bisect_right(whens, times[-1][0]) >= self.window
-        }
-
-    def _points(self, batch: int) -> list[tuple[int, float, int]]:
-        """Per size, its live median, or its warm-up time at the live level (the median ratio of live to warm-up
-        times, over the sizes measured lately where any was); a size not measured lately (not within FRESH_S, or
-        not in the last `window` times of the batch size) is the cheaper of the two. At one client (fp32 target)
-        the first trees, 9 rows, took 30-35 ms against 24-26 later: those times were all the policy knew of 9 rows,
-        a tree step looked 45 ms against a chain's 30, and none was drafted again to correct it; a guess on the
-        cheap side is tried, measured and corrected. Within FRESH_S too: through the gateway at one client a slow
-        half-second put 9 rows at 35.7 ms, the chains drafted since ran back at the old level (scoring 1 token in
-        23 ms again, against 21-27), and no tree was drafted for the rest of the 4-second run."""
-        live = {size: self._median(t) for size, t in self.samples.get(batch, {}).items() if t}
-        behind = self._behind(batch)
-        fresh = {size for size in live if not self.stale(batch, size) and size not in behind}
-        warm_up = self.calibrated.get(batch, {})
-
-        def ratios(sizes) -> list[float]:
-            return [live[size][0] / seconds for size, seconds in warm_up.items() if size in sizes]
-
-        scale = statistics.median(ratios(fresh) or ratios(live) or [1.0])
-        points = [(size, seconds * scale, 1) for size, seconds in warm_up.items() if size not in live]
-        for size, (median, n) in live.items():
-            if size not in fresh and size in warm_up:
-                median = min(median, warm_up[size] * scale)
-            points.append((size, median, n))
-        return points
 
 
 def _shape(plans: list[Plan]) -> tuple[int, int, int, bool]:
@@ -426,85 +128,11 @@ def _ms(seconds: float | None) -> str:
     return "?" if seconds is None else f"{1e3 * seconds:.1f}"
 
 
-def _isotonic(points: list[tuple[int, float, int]]) -> list[tuple[int, float]]:
-    """(size, seconds) by size, made non-decreasing by pooling adjacent violators (weighted by their counts): a
-    noisy point between two sizes does not make a larger size look cheaper than a smaller one."""
-    blocks: list[list[float]] = []  # [seconds, weight, number of sizes pooled]
-    ordered = sorted(points)
-    for _, seconds, weight in ordered:
-        blocks.append([seconds, float(weight), 1.0])
-        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
-            top = blocks.pop()
-            below = blocks[-1]
-            total = below[1] + top[1]
-            below[0] = (below[0] * below[1] + top[0] * top[1]) / total
-            below[1], below[2] = total, below[2] + top[2]
-    values = [seconds for seconds, _, count in blocks for _ in range(int(count))]
-    return [(size, value) for (size, _, _), value in zip(ordered, values, strict=True)]
-
-
-def _line(points: list[tuple[int, float, int]]) -> tuple[float, float]:
-    total = sum(w for _, _, w in points)
-    mean_x = sum(x * w for x, _, w in points) / total
-    mean_y = sum(y * w for _, y, w in points) / total
-    var = sum(w * (x - mean_x) ** 2 for x, _, w in points)
-    slope = max(0.0, sum(w * (x - mean_x) * (y - mean_y) for x, y, w in points) / var) if var else 0.0
-    return mean_y - slope * mean_x, slope
-
-
-PLAIN, DRAFTING, PROBE = "plain", "drafting", "probe"
-
-
 def probe_budget(ratio: float) -> float:
     """The share of the time probes may lose, where the best drafting plan is expected at `ratio` of plain
     decoding's rate: PROBE_BUDGET at 1 or above, down to PROBE_FAR_SHARE of it at 1 - PROBE_FAR_GAP or below."""
     closeness = min(1.0, max(0.0, 1 - (1 - ratio) / PROBE_FAR_GAP))
     return PROBE_BUDGET * (PROBE_FAR_SHARE + (1 - PROBE_FAR_SHARE) * closeness)
-
-
-class Outcomes:
-    """Per batch size and kind of step, how long steps took against how long they were expected to take. Probes
-    are kept apart from chosen drafting plans: a probe follows a run of plain steps, and its propose call carries
-    their tokens (a catch-up) unless the proposer followed them."""
-
-    def __init__(self, window: int = OUTCOME_WINDOW) -> None:
-        self.window = window
-        self.steps: dict[tuple[int, str], deque[tuple[float, float]]] = {}  # (expected, realised seconds)
-        self._slowdowns: dict[tuple[int, str], float] = {}
-
-    def add(self, batch: int, kind: str, expected_s: float, realised_s: float) -> None:
-        if expected_s <= 0 or realised_s <= 0:
-            return  # nothing was expected yet
-        self.steps.setdefault((batch, kind), deque(maxlen=self.window)).append((expected_s, realised_s))
-        self._slowdowns.clear()  # a probe's leans on drafting steps'
-
-    def slowdown(self, batch: int, kind: str) -> float:
-        """Realised over expected seconds, a ratio of sums (a slow step counts for what it cost), drawn towards
-        1 while few steps were seen (a few may be a slow moment's; a probe's towards drafting steps')."""
-        key = (batch, kind)
-        if key not in self._slowdowns:
-            prior = self.slowdown(batch, DRAFTING) if kind == PROBE else 1.0
-            steps = self.steps.get(key, ())
-            if not steps:
-                return prior
-            ratio = sum(realised for _, realised in steps) / sum(expected for expected, _ in steps)
-            trust = len(steps) / (len(steps) + (PROBE_PRIOR if kind == PROBE else OUTCOME_PRIOR))
-            self._slowdowns[key] = min(4.0, max(0.5, prior + trust * (ratio - prior)))
-        return self._slowdowns[key]
-
-
-@dataclass(frozen=True)
-class StepCost:
-    """A decode step's emitted tokens and its time in parts (seconds): expected, or as it ran."""
-
-    tokens: float
-    scoring: float  # the target's forward and verification
-    propose: float  # the propose call on the critical path
-    rest: float  # from verification to the next step's start
-
-    @property
-    def seconds(self) -> float:
-        return self.scoring + self.propose + self.rest
 
 
 @dataclass(frozen=True)

@@ -17,10 +17,10 @@ from shared.sampling import SamplingParams
 from specdec_local.builder import build_engine, make_draft_model_drafter
 from tests.law import first_two_token_counts, law_pvalue, two_token_law
 from tests.tiny import hf_greedy, tiny_target, tiny_target_hf, tiny_weak_draft  # noqa: F401 (fixtures)
+from verifier_service.acceptance import AcceptanceEstimate
 from verifier_service.engine import Engine, EngineConfig
 from verifier_service.scheduler import Scheduler
 from verifier_service.sequence import FinishReason, Sequence
-from verifier_service.spec_policy import AcceptanceEstimate
 
 VOCAB = 96
 EOS = VOCAB - 1

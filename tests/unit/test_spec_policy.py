@@ -1,4 +1,4 @@
-"""The speculation policy (verifier_service/spec_policy.py): its estimates, its plan against brute force, and the
+"""The speculation policy (verifier_service/spec_policy.py): its plan against brute force, and the
 whole loop on a simulated engine (fixed step and call times, acceptance per position): never slower than plain
 decoding, within 5% of the best fixed k at batch 1, each sequence drafting as its own acceptance pays, and no
 sequence slowed by the others' drafts below FAIR_SHARE of its plain rate."""
@@ -11,180 +11,10 @@ import statistics
 
 import pytest
 
-from shared.drafting import Draft, best_guess_path
-from verifier_service import spec_policy
-from verifier_service.spec_policy import (
-    DRAFTING,
-    FAIR_SHARE,
-    PLAIN,
-    PROBE,
-    AcceptanceEstimate,
-    Plan,
-    SpecPolicy,
-    StepCost,
-    StepTimes,
-    TreeMisses,
-)
-
-
-def test_acceptance_estimate_uses_only_tested_positions():
-    est = AcceptanceEstimate(alpha=0.5, weight=0.5)
-    est.update(num_drafted=4, num_accepted=1)  # position 1 accepted, 2 rejected, 3-4 untested
-    assert est.alpha == pytest.approx(0.5 + 0.5 * (1 - 0.5) - 0.5 * (0.75 - 0))
-    full = AcceptanceEstimate(alpha=0.5, weight=0.5)
-    full.update(num_drafted=2, num_accepted=2)
-    assert full.alpha > 0.8
-    assert AcceptanceEstimate(alpha=0.5).chain_gain(3) == pytest.approx(0.5 + 0.25 + 0.125)
-
-
-def test_a_tree_accepts_as_a_chain_at_the_acceptance_its_kinds_trees_showed():
-    est = AcceptanceEstimate(alpha=0.5)
-    # Untried: the prior, a fifth of the chain's rejections rescued
-    assert est.expected_tree_gain(2) == pytest.approx(0.6 + 0.6**2)
-    assert AcceptanceEstimate(alpha=1.0).expected_tree_gain(4) == 4.0
-    for _ in range(40):  # every best guess rejected at once, another child accepted each time, the tree whole
-        est.update_tree(depth=4, num_accepted=4, best_drafted=4, best_accepted=0)
-    assert est.tree_misses.share < 0.1
-    assert est.alpha < 0.1 and est.expected_tree_gain(4) > 3.0 > est.chain_gain(4) * 10
-    for _ in range(300):  # trees that accept no more than their best guesses
-        est.update_tree(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
-    assert est.tree_misses.share == pytest.approx(1.0, abs=0.03)
-    assert est.expected_tree_gain(4) == pytest.approx(est.chain_gain(4), rel=0.05)
-
-
-def test_trees_are_judged_against_their_own_best_guesses_not_the_sequence_s_alpha():
-    misses = TreeMisses()
-    for i in range(1000):  # best guesses rejected at 6 positions in 10, the trees at 3 in 10
-        misses.update(depth=1, num_accepted=int(i % 10 >= 3), best_drafted=1, best_accepted=int(i % 10 >= 6))
-    assert misses.share == pytest.approx(0.5, abs=0.03)
-    assert AcceptanceEstimate(alpha=0.4, tree_misses=misses).expected_tree_gain(1) == pytest.approx(0.7, abs=0.02)
-
-
-def test_trees_are_tried_before_they_are_judged():
-    misses = TreeMisses()
-    for _ in range(spec_policy.MIN_TREES - 1):
-        misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)  # a best path 2 long, all a tree got
-    assert misses.share == spec_policy.TREE_PRIOR_SHARE
-    misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)
-    assert misses.share > 1.0  # judged now: a rejection in 3 positions, against none in 2 for the best guesses
-
-
-def test_tree_misses_count_tested_positions_and_decay():
-    misses = TreeMisses()
-    misses.update(depth=4, num_accepted=4, best_drafted=4, best_accepted=2)  # tree: 4 tested; best: 3, 1 rejected
-    misses.update(depth=4, num_accepted=1, best_drafted=3, best_accepted=1)  # tree: 2, 1 rejected; best: 2, 1
-    keep = 1 - spec_policy.TREE_WEIGHT
-    assert (misses.tree_tested, misses.tree_rejected) == (pytest.approx(keep * 4 + 2), 1.0)
-    assert (misses.best_tested, misses.best_rejected) == (pytest.approx(keep * 3 + 2), pytest.approx(keep + 1))
-
-
-def test_a_sequence_drafting_trees_follows_its_text_through_their_best_guesses():
-    shared = TreeMisses()
-    one, other = AcceptanceEstimate(alpha=0.5, tree_misses=shared), AcceptanceEstimate(alpha=0.5, tree_misses=shared)
-    for _ in range(20):
-        one.update_tree(depth=4, num_accepted=4, best_drafted=4, best_accepted=4)
-    assert one.alpha > 0.9  # its best guesses were all accepted
-    assert other.alpha == 0.5 and other.tree_misses.trees == 20  # the other learned what trees add, not the text
-
-
-def test_the_best_guess_path_follows_first_children():
-    #  root -> 0 (a) -> 2 (c) -> 4 (e)
-    #       -> 1 (b)    3 (d)
-    draft = Draft("s", 10, [11, 12, 13, 14, 15], parents=[-1, -1, 0, 0, 2])
-    assert best_guess_path(draft.parents) == [0, 2, 4]
-    assert draft.best_guess_verdict([11, 13, 15]) == (3, 3)
-    assert draft.best_guess_verdict([11, 14]) == (3, 1)  # the second child at depth 2 was accepted
-    assert draft.best_guess_verdict([12]) == (3, 0)
-    assert draft.best_guess_verdict([]) == (3, 0)
-    assert Draft("s", 10, [7, 8, 9]).best_guess_verdict([7, 8]) == (3, 2)  # a chain is its own best guess
-
-
-def test_step_times_fit_a_line_through_medians_and_borrow_a_slope():
-    times = StepTimes()
-    assert times.estimate(1, 1) is None
-    for q, seconds in ((1, 0.040), (1, 0.040), (1, 9.0), (5, 0.050), (5, 0.050)):  # one outlier
-        times.add(1, q, seconds)
-    assert times.estimate(1, 3) == pytest.approx(0.045)
-    assert times.slope(1) == pytest.approx(0.0025)
-    times.add(8, 8, 0.066)  # one count at batch 8: its own level, batch 1's slope
-    assert times.estimate(8, 16) == pytest.approx(0.066 + 8 * 0.0025)
-    assert times.estimate(4, 4) == pytest.approx(4 * 0.0375 + 4 * 0.0025)  # batch 1: its base 4 times, its slope
-    calls = StepTimes(scales_with_batch=False)  # a propose call: one batched forward, not batch times one
-    calls.add(1, 1, 0.010)
-    calls.add(1, 3, 0.020)
-    assert calls.estimate(8, 2) == pytest.approx(0.015)
-    one = StepTimes(scales_with_batch=False)  # one size measured: a smaller one its share, a larger one as much
-    one.add(1, 4, 0.008)
-    assert [one.estimate(1, k) for k in (1, 2, 4, 6)] == pytest.approx([0.002, 0.004, 0.008, 0.008])
-    one.add(1, 2, 0.006)  # a second size: the line through both
-    assert one.estimate(1, 1) == pytest.approx(0.005)
-    falling = StepTimes()
-    falling.add(2, 2, 0.2)
-    falling.add(2, 6, 0.1)
-    assert falling.slope(2) == 0.0  # never negative
-
-
-def test_a_warm_up_timed_on_a_busy_machine_is_scaled_to_the_live_times():
-    """The warm-up ran three times slower than serving (the other services were starting): the sizes serving has
-    not tried since keep the warm-up's shape at the live level, instead of staying three times too dear."""
-    times = StepTimes()
-    for q in (1, 2, 5):  # 3x a step of 0.0375 + 0.0025 per query token
-        times.calibrate(1, q, 3 * (0.0375 + 0.0025 * q))
-    assert times.estimate(1, 5) == pytest.approx(0.150)  # nothing live yet: the warm-up as measured
-    for _ in range(4):
-        times.add(1, 1, 0.040)  # serving at k = 0
-    assert times.estimate(1, 1) == pytest.approx(0.040)
-    assert times.estimate(1, 5) == pytest.approx(0.050)
-    assert times.slope(1) == pytest.approx(0.0025)
-    for _ in range(4):
-        times.add(1, 5, 0.060)  # measured live now: the live time wins over the scaled warm-up
-    assert times.estimate(1, 5) == pytest.approx(0.060, rel=0.05)
-
-
-def test_a_size_not_timed_lately_is_at_most_its_warm_up_shape_at_the_live_level():
-    """The first trees ran slow (a busy moment): 9 rows stay at that time only while it is fresh, then at most the
-    warm-up's shape at today's level, so that a tree is tried again and its time corrected."""
-    now = [0.0]
-    times = StepTimes(stepwise=True, clock=lambda: now[0])
-    for q in (1, 5, 9):
-        times.calibrate(1, q, 0.020 + 0.0005 * q)  # a quiet warm-up: 9 rows 2 ms dearer than 5
-    for _ in range(3):
-        times.add(1, 9, 0.035)  # the first trees
-        times.add(1, 1, 0.021)
-    assert times.estimate(1, 9) == pytest.approx(0.035)  # fresh: what it took
-    now[0] += 2 * spec_policy.FRESH_S
-    for _ in range(3):
-        times.add(1, 1, 0.0205)
-        times.add(1, 5, 0.0225)  # chains and plain steps, timed since
-    assert times.estimate(1, 9) == pytest.approx(0.0245)  # live at the warm-up's level: its 9 rows as they were
-    for _ in range(3):
-        times.add(1, 9, 0.030)  # a tree timed again: its own time, fresh
-    assert times.estimate(1, 9) == pytest.approx(0.030)
-
-
-def test_a_size_other_sizes_were_timed_many_times_since_is_at_most_its_warm_up_shape_at_the_live_level():
-    """Within FRESH_S too: trees timed in a slow half-second, then `window` chain and plain steps back at the old
-    level, leave 9 rows at most the warm-up's shape at that level (before: at their slow time for FRESH_S, a whole
-    request at one client)."""
-    now = [0.0]
-    times = StepTimes(stepwise=True, clock=lambda: now[0])
-    for q in (1, 5, 9):
-        times.calibrate(1, q, 0.020 + 0.0005 * q)
-    for _ in range(4):
-        times.add(1, 9, 0.0245)
-        now[0] += 0.03
-    for _ in range(4):
-        times.add(1, 9, 0.036)  # the host slows: the median of 9 rows' 8 times is half slow
-        times.add(1, 9, 0.036)
-        now[0] += 0.03
-    assert times.estimate(1, 9) == pytest.approx(0.036)
-    for step in range(times.window):
-        assert times.estimate(1, 9) == pytest.approx(0.036)  # a few steps of other sizes: still its own time
-        times.add(1, 5 if step % 2 else 1, 0.0225 if step % 2 else 0.0205)  # chains and plain steps, as before
-        now[0] += 0.03
-    assert now[0] < spec_policy.FRESH_S
-    assert times.estimate(1, 9) == pytest.approx(0.0245)  # the warm-up's 9 rows at the live level (1.0)
-
+from verifier_service import acceptance, spec_policy, step_times
+from verifier_service.acceptance import AcceptanceEstimate
+from verifier_service.spec_policy import FAIR_SHARE, Plan, SpecPolicy
+from verifier_service.step_times import PLAIN, StepCost, StepTimes
 
 # ---- a simulated engine ----------------------------------------------------------------------------
 
@@ -490,34 +320,14 @@ def informed_policy(cost: Costs, batch: int) -> SpecPolicy:
     return policy
 
 
-def test_outcomes_are_a_ratio_of_sums_drawn_towards_one_while_few():
-    outcomes = spec_policy.Outcomes(window=4)
-    assert outcomes.slowdown(8, DRAFTING) == 1.0
-    outcomes.add(8, DRAFTING, 0.1, 0.2)
-    trust = 1 / (1 + spec_policy.OUTCOME_PRIOR)
-    assert outcomes.slowdown(8, DRAFTING) == pytest.approx(1 + trust * (2 - 1))
-    for _ in range(3):
-        outcomes.add(8, DRAFTING, 0.1, 0.1)
-    drafting = 1 + 4 / (4 + spec_policy.OUTCOME_PRIOR) * (0.5 / 0.4 - 1)  # 4 steps: 0.5 s realised, 0.4 expected
-    assert outcomes.slowdown(8, DRAFTING) == pytest.approx(drafting)
-    assert outcomes.slowdown(8, PROBE) == pytest.approx(drafting)  # no probe seen yet: as drafting steps ran
-    outcomes.add(8, PROBE, 0.1, 0.2)
-    trust = 1 / (1 + spec_policy.PROBE_PRIOR)  # probes are few: each believed sooner
-    assert outcomes.slowdown(8, PROBE) == pytest.approx(drafting + trust * (2 - drafting))
-    outcomes.add(8, DRAFTING, 0.1, 0.1)  # the window drops the slow one
-    assert outcomes.slowdown(8, DRAFTING) == pytest.approx(1.0)
-    assert outcomes.slowdown(8, PLAIN) == outcomes.slowdown(4, DRAFTING) == 1.0  # kept apart
-    outcomes.add(8, PLAIN, 0.0, 0.2)  # nothing expected yet: not counted
-    assert not outcomes.steps.get((8, PLAIN))
-
-
-@pytest.mark.parametrize("fresh_s", [spec_policy.FRESH_S, float("inf")], ids=["fresh", "all-times (control)"])
+@pytest.mark.parametrize("fresh_s", [step_times.FRESH_S, float("inf")], ids=["fresh", "all-times (control)"])
 def test_plain_steps_timed_in_a_slow_minute_are_timed_again(fresh_s, monkeypatch):
     """Plain steps at batch 8 were timed 1.6x slower than they are (a slow minute of a shared machine), so
     drafting k = 1 (in truth 9% slower than plain decoding here) looked faster. Minutes later the policy times a
     plain step again before it drafts on that belief, and decodes plainly (within its probe budget); counting every
     time however old (the negative control) it drafts on and loses."""
-    monkeypatch.setattr(spec_policy, "FRESH_S", fresh_s)
+    monkeypatch.setattr(step_times, "FRESH_S", fresh_s)  # the costs' window ...
+    monkeypatch.setattr(spec_policy, "FRESH_S", fresh_s)  # ... and how often plain steps are timed again
     now = [0.0]
     clock = lambda: now[0]  # noqa: E731
     policy = SpecPolicy(
@@ -553,7 +363,7 @@ def test_a_plain_step_to_time_again_runs_at_most_once_in_fresh_s_seconds():
     now[0] = 10.0
     assert not any(p.k for p in policy.plan(seqs))  # plain last timed 10 s ago: timed again first
     assert all(any(p.k for p in policy.plan(seqs)) for _ in range(5))  # unmeasured, yet not again at once
-    now[0] = 10.0 + 2 * spec_policy.FRESH_S
+    now[0] = 10.0 + 2 * step_times.FRESH_S
     assert not any(p.k for p in policy.plan(seqs))
 
 
@@ -574,24 +384,6 @@ def test_the_plan_matches_brute_force_over_every_per_sequence_k_that_slows_none(
         ]
         assert not any(p.k for p in plans) or min(shares(plans, alphas, cost)) >= FAIR_SHARE
         assert true_rate(plans, alphas, cost) >= 0.99 * max(true_rate(ks, alphas, cost) for ks in allowed)
-
-
-def test_step_times_estimate_never_falls_as_the_size_grows():
-    """The plan stops weighing larger chain plans once even every remaining token at today's step time could not
-    win (SpecPolicy._filled): that needs scoring estimates that never fall with the size, whatever was measured
-    (noisy points, a warm-up, one size, a neighbour's slope)."""
-    rng = random.Random(5)
-    for trial in range(200):
-        times = StepTimes(stepwise=trial % 2 == 0)
-        for batch in rng.sample(range(1, 9), rng.randint(1, 3)):
-            for size in rng.sample(range(batch, 6 * batch + 1), rng.randint(1, 5)):
-                (times.add if rng.random() < 0.7 else times.calibrate)(batch, size, rng.uniform(0.01, 0.05))
-        for batch in range(1, 9):
-            estimates = [times.estimate(batch, size) for size in range(batch, 8 * batch)]
-            if estimates[0] is None:  # nothing measured anywhere near
-                continue
-            # up to rounding: the prune keeps a margin of 1e-9
-            assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(estimates)), (trial, batch, estimates)
 
 
 def test_the_filled_plan_is_the_best_of_every_n_though_it_stops_early():
@@ -821,7 +613,7 @@ def test_a_kind_of_propose_call_never_measured_costs_what_the_other_kind_does():
     seqs = [(e, 1) for e in estimates]  # each may draft one token: a chain
     assert informed().plan(seqs) == [Plan(0)] * 8
     blind = informed()
-    blind.propose_tree = spec_policy.StepTimes(scales_with_batch=False)  # nothing to borrow: the call looks free
+    blind.propose_tree = step_times.StepTimes(scales_with_batch=False)  # nothing to borrow: the call looks free
     assert any(p.k for p in blind.plan(seqs))
 
 
@@ -932,7 +724,7 @@ def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
     policy = one_client_policy(0.046, 0.051)
     acc = AcceptanceEstimate(alpha=0.5, tested=1000)
     assert shapes(policy.plan([(acc, 4)])) == [(4, 8)]  # untried: the prior
-    for _ in range(spec_policy.MIN_TREES):  # measured: no better than their best guesses
+    for _ in range(acceptance.MIN_TREES):  # measured: no better than their best guesses
         acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
     assert policy.plan([(acc, 4)])[0].tree_nodes == 0
     for _ in range(200):  # then trees that are accepted whole where their best guesses were not
@@ -978,7 +770,7 @@ def test_trees_judged_poor_are_still_drafted_now_and_then_where_that_costs_littl
 
     def trees_in(policy: SpecPolicy, plans: int) -> list[int]:
         acc = AcceptanceEstimate(alpha=0.5, tested=1000)
-        for _ in range(spec_policy.MIN_TREES):  # judged poor: a rejection in 3 positions against none in 2
+        for _ in range(acceptance.MIN_TREES):  # judged poor: a rejection in 3 positions against none in 2
             acc.tree_misses.update(depth=4, num_accepted=2, best_drafted=2, best_accepted=2)
         return [i for i in range(plans) if policy.plan([(acc, 4)])[0].tree_nodes]
 
@@ -1001,10 +793,10 @@ def test_a_few_unlucky_first_trees_do_not_turn_a_kind_to_chains():
 
     def share_and_plan(prior_positions: float) -> tuple[float, Plan]:
         with pytest.MonkeyPatch.context() as m:
-            m.setattr(spec_policy, "TREE_PRIOR_POSITIONS", prior_positions)
+            m.setattr(acceptance, "TREE_PRIOR_POSITIONS", prior_positions)
             policy = one_client_policy(0.043, 0.046)
             acc = AcceptanceEstimate(alpha=0.5, tested=1000)
-            for _ in range(spec_policy.MIN_TREES):  # each accepted exactly what its best guesses did
+            for _ in range(acceptance.MIN_TREES):  # each accepted exactly what its best guesses did
                 acc.tree_misses.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
             return acc.tree_misses.share, policy.plan([(acc, 4)])[0]
 

@@ -175,7 +175,7 @@ def test_a_tree_s_verdict_teaches_the_policy_its_best_guesses_and_what_the_tree_
     assert misses.best_rejected == pytest.approx(misses.best_tested)
     assert misses.tree_tested == pytest.approx(2 * misses.tree_rejected)
     # From the prior's 0.8 toward the 0.5 these trees show: after a dozen trees the prior still counts (its 16
-    # positions decay with the trees' evidence, spec_policy.TREE_PRIOR_POSITIONS)
+    # positions decay with the trees' evidence, acceptance.TREE_PRIOR_POSITIONS)
     assert misses.share < 0.7
     assert engine.scheduler.policy.population[True].alpha < 0.1  # the chains' estimate: best guesses fail
 
