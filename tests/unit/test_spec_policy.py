@@ -733,13 +733,14 @@ def test_trees_are_tried_then_kept_only_if_their_measured_gain_pays():
 
 
 def test_a_trees_nodes_are_priced_at_what_a_scored_row_costs_in_tokens():
-    """A tree plan tells the drafter the least path probability a node must have (Plan.min_node_prob): a scored
-    row's time (the scoring line's slope at the batch size) at the plan's expected rate. Chains are not priced."""
-    policy = one_client_policy(0.046, 0.051)
+    """A tree plan tells the drafter the least path probability a node must have (Plan.min_node_prob): the scoring
+    time its tree adds to its best-guess path, per added node, at the plan's expected rate. Chains are not
+    priced."""
+    policy = one_client_policy(0.046, 0.051)  # 1, 5 and 9 rows on a line: 1.25 ms a row
     seqs = [(AcceptanceEstimate(alpha=0.5, tested=1000), 4)]
     plan = policy.plan(seqs)
     assert shapes(plan) == [(4, 8)]
-    price = policy._rate(plan, seqs) * policy.scoring.slope(1)
+    price = policy._rate(plan, seqs) * 0.00125
     assert 0.01 < price < 0.2  # ~1.2 ms a row at ~40 tokens a second
     assert plan[0].min_node_prob == pytest.approx(price)
     chains = SpecPolicy()
@@ -747,6 +748,23 @@ def test_a_trees_nodes_are_priced_at_what_a_scored_row_costs_in_tokens():
         chains.record_step(1, batch_query, seconds)
     chain = chains.plan(seqs)
     assert chain[0].k > 0 and chain[0].tree_nodes == 0 and chain[0].min_node_prob == 0.0
+
+
+def test_nodes_that_cost_little_on_the_scoring_curve_are_priced_low():
+    """From one row to a chain's five the step dearer by 5 ms, from five to a tree's nine by 0.4 ms (rows within a
+    block of the products): a node is priced at 0.1 ms, not at the line's slope over every size (0.7 ms, the
+    negative control), which would cut nodes that cost nothing."""
+    policy = one_client_policy(0.046, 0.0464)
+    seqs = [(AcceptanceEstimate(alpha=0.5, tested=1000), 4)]
+    plan = policy.plan(seqs)
+    assert shapes(plan) == [(4, 8)]
+    rate = policy._rate(plan, seqs)
+    assert plan[0].min_node_prob == pytest.approx(rate * 0.0001)
+    assert rate * policy.scoring.slope(1) > 5 * plan[0].min_node_prob
+    policy.scoring.add(1, 9, 0.046)  # no dearer than the chain at all (the median of 9 rows' times: 46.2 ms)
+    policy.scoring.add(1, 9, 0.046)
+    free = policy.plan(seqs)
+    assert shapes(free) == [(4, 8)] and free[0].min_node_prob == 0.0
 
 
 def test_a_kinds_trees_are_expected_to_score_as_many_rows_as_its_recent_trees_did():
