@@ -311,8 +311,7 @@ class SpecPolicy:
         price can save), per node, on the scoring curve: rows cost little within a block of the products and
         much across one. At one client (fp32 target, Zen 4 host) a chain of 4 scored in 28.0 ms and a tree of 8
         nodes in 29-30 ms, where the scoring line's slope over every size (0.5-1.3 ms a row, the step from one
-        row to several in it) priced nodes out that cost nothing: trees so priced emitted 2.12 tokens a step
-        against 2.31 for a tree every step, at the same step time."""
+        row to several in it) priced out nodes that cost almost nothing."""
         if not any(p.tree_nodes for p in chosen):
             return chosen
         batch, drafted, _, _ = _shape(chosen)
