@@ -132,7 +132,8 @@ def report(args, spec: list[str], samples, cpu: dict[str, float], wall: float) -
         print(f"  CPU {name}: {seconds:.2f} s in {wall:.1f} s of rounds")
     if args.json:
         ratios = {name: per_round(samples, name, "target") for name in spec}
-        Path(args.json).write_text(json.dumps({"args": vars(args), "ratios": ratios, "samples": samples, "cpu": cpu}))
+        record = {"args": vars(args), "stacks": spec, "ratios": ratios, "samples": samples, "cpu": cpu}
+        Path(args.json).write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

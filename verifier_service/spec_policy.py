@@ -308,17 +308,20 @@ class SpecPolicy:
         rows its kind's recent trees scored (`_tree`), and scoring is recorded by the rows a step scored.
 
         A node's time is what the plan's trees add to their best-guess paths (always sent, so the only rows the
-        price can save), per node, on the scoring curve: rows cost little within a block of the products and
-        much across one. At one client (fp32 target, Zen 4 host) a chain of 4 scored in 28.0 ms and a tree of 8
-        nodes in 29-30 ms, where the scoring line's slope over every size (0.5-1.3 ms a row, the step from one
-        row to several in it) priced out nodes that cost almost nothing."""
+        price can save), per node, on the scoring curve, with each tree at its bound: rows cost little within a
+        block of the products and much across one. At the rows its recent trees scored instead, a kind whose
+        price cut its trees down to their paths would read no added rows, price nothing, send whole trees next,
+        and price again: on and off. At one client (fp32 target, Zen 4 host) a chain of 4 scored in 28.0 ms and a
+        tree of 8 nodes in 29-30 ms, where the scoring line's slope over every size (0.5-1.3 ms a row, the step
+        from one row to several in it) priced out nodes that cost almost nothing."""
         if not any(p.tree_nodes for p in chosen):
             return chosen
-        batch, drafted, _, _ = _shape(chosen)
-        added = drafted - _shape([Plan(p.k) if p.tree_nodes else p for p in chosen])[1]
+        paths = sum(p.k for p in chosen)
+        added = sum(max(0, p.tree_nodes - p.k) for p in chosen)
         if added <= 0:
             return chosen
-        per_node = (self._scoring_part(batch, drafted) - self._scoring_part(batch, drafted - added)) / added
+        batch = len(chosen)
+        per_node = (self._scoring_part(batch, paths + added) - self._scoring_part(batch, paths)) / added
         price = self._rate(chosen, seqs) * per_node
         if price <= 0:
             return chosen

@@ -767,6 +767,22 @@ def test_nodes_that_cost_little_on_the_scoring_curve_are_priced_low():
     assert shapes(free) == [(4, 8)] and free[0].min_node_prob == 0.0
 
 
+def test_a_kind_whose_trees_were_priced_down_to_their_paths_is_still_priced():
+    """Priced trees that sent only their best-guess paths (4 nodes at depth 4) leave the kind's recent tree size at
+    4. The price is read over the trees' bound, not over those rows: it stays what it was, where reading it over
+    the recent rows (no rows added to the paths: no price) would send whole trees next, then price again."""
+    policy = one_client_policy(0.046, 0.051)
+    seqs = [(AcceptanceEstimate(alpha=0.5, tested=1000), 4)]
+    before = policy.plan(seqs)[0].min_node_prob
+    acc = seqs[0][0]
+    for _ in range(5):  # each rescued a rejection of its path
+        acc.tree_misses.update(depth=4, num_accepted=2, best_drafted=4, best_accepted=1, nodes=4)
+    plan = policy.plan(seqs)
+    assert shapes(plan) == [(4, 8)] and plan[0].scored_nodes == 4
+    assert plan[0].min_node_prob == pytest.approx(policy._rate(plan, seqs) * 0.00125)
+    assert before > 0 and plan[0].min_node_prob > 0
+
+
 def test_a_kinds_trees_are_expected_to_score_as_many_rows_as_its_recent_trees_did():
     """Priced trees send fewer nodes than their bound: a kind's trees are then expected to score what its recent
     ones scored (TreeMisses.nodes, a moving average), so that a tree's step is not costed at its whole bound."""
