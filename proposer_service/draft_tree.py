@@ -150,7 +150,7 @@ def _children_can_be_kept(tree: _Tree, score: float, max_nodes: int) -> bool:
     return sum(node.score >= score for node in tree.nodes) < max_nodes
 
 
-def _kept(req: DraftRequest, tree: _Tree, floor: float = -math.inf) -> Draft:
+def _kept(req: DraftRequest, tree: _Tree, floor: float) -> Draft:
     """Of the best max_tree_nodes nodes (ties to the earlier: a parent before its children), those scored at least
     `floor` and those on the best-guess path, in creation order, which is topological. The best nodes hold a prefix
     of the path: a path node's first child outranks its siblings, so it is among them if any sibling is."""

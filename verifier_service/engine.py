@@ -584,7 +584,7 @@ class Engine:
         k, nodes = (s.k, s.tree_nodes) if s.samples else (0, 0)
         return self._request(s.seq, committed, k, nodes, s.min_node_prob)
 
-    def _request(self, seq: Sequence, committed: int, k: int, nodes: int, min_node_prob: float = 0.0) -> DraftRequest:
+    def _request(self, seq: Sequence, committed: int, k: int, nodes: int, min_node_prob: float) -> DraftRequest:
         stream = getattr(self.drafter, "connections", 0)
         if seq.proposer_stream != stream:
             # A new stream holds nothing of the sequence: send it whole now, uncharged, rather than have the
