@@ -126,11 +126,11 @@ class Scheduler:
         if planned is None or planned[0] != frozenset(s.seq_id for s in decoding):
             return self._plans(self.num_steps)
         # Prompts that arrived since the plan was made are added between steps: it may not catch up beside them
-        if self._feeds_prompts() and any(planned[1][s.seq_id].k and self._lag(s) for s in decoding):
+        if self._feeds_prompts() and any(planned[1][s.seq_id].k and self.lag(s) for s in decoding):
             return self._plans(self.num_steps)
         return planned[1]
 
-    def _lag(self, seq: Sequence) -> int:
+    def lag(self, seq: Sequence) -> int:
         """The positions the sequence's next propose call would catch up (0 where it carries no more than a step's
         tokens)."""
         lag = len(seq.tokens) - seq.num_sent_to_proposer
@@ -151,7 +151,7 @@ class Scheduler:
             plans = [Plan(k, nodes if 1 <= k < nodes else 0) for k in k_maxes]
         else:
             vary = step % self.config.probe_interval == 0
-            lags = [self._lag(s) for s in decoding]
+            lags = [self.lag(s) for s in decoding]
             if self._feeds_prompts():
                 # A catch-up would hold up the first tokens of the prompts this step prefills (a long prompt's own
                 # last chunk too: its call would carry the prompt). At 8 clients through the gateway (co-located, Zen 4

@@ -323,10 +323,13 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
         """Takes early asks as the remote proposer does (send now, collect later) and wants the features."""
 
         needs_target_features = True
-        rows: list[int] = []  # feature rows per request
+        rows: list[int] = []  # feature rows per request, asked early or not
+
+        def propose(self, requests):
+            self.rows.extend(0 if r.features is None else r.features.shape[0] for r in requests)
+            return super().propose(requests)
 
         def send(self, requests):
-            self.rows.extend(0 if r.features is None else r.features.shape[0] for r in requests)
             return self.propose(requests)
 
         def collect(self, drafts):
@@ -346,6 +349,49 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
     assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # asked early after the prefill, with the prompt
     assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
     assert caught == [len(prompt) + 1]  # the prompt and the token its prefill sampled
+
+
+class EarlyAskDrafter(NgramDrafter):
+    """Takes early asks as the remote proposer does (send now, collect later); records every call as (sequence,
+    tokens it carried, asked early)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, bool]] = []
+
+    def propose(self, requests, early=False):
+        self.calls.extend((r.seq_id, len(r.new_token_ids), early) for r in requests)
+        return super().propose(requests)
+
+    def send(self, requests):
+        return self.propose(requests, early=True)
+
+    def collect(self, drafts):
+        return drafts
+
+
+def test_a_prompt_that_arrives_after_a_step_does_not_wait_for_a_catch_up_asked_early(target):
+    """A call that would carry a catch-up (here the prompt, prefilled alone) is not asked early: a prompt that
+    arrives before the next step would wait for it, and once it was sent the scheduler no longer saw the lag that
+    makes it decode plainly beside new prompts. Through the gateway at 8 clients a burst's first request was asked
+    early with its prompt and drafted while the other seven prompts waited for their first tokens."""
+    drafter = EarlyAskDrafter()
+    engine = engine_with(target, drafter, k=2, adaptive_k=True)
+    prompt = prompts(1, seed=3)[0] * 3  # longer than a step commits: its first call is a catch-up
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    engine.add_request("old", prompt, params)
+    engine.seqs["old"].acceptance = AcceptanceEstimate(alpha=0.95, tested=1000)  # the policy wants it to draft
+    engine.step()  # its prefill
+    assert drafter.calls == []  # its catch-up was not asked early
+    engine.add_request("new", prompts(1, seed=4)[0], params)
+    outputs = {out.request_id: out for out in engine.step()}
+    assert outputs["old"].draft_depth == 0 and "new" in outputs  # plain beside the prompt, and nobody waited
+    assert drafter.calls == []
+    while engine.has_unfinished():
+        engine.step()
+    old_calls = [(n, early) for seq, n, early in drafter.calls if seq == "old"]
+    assert old_calls[0] == (len(prompt) + 2, False)  # caught up at the step's start, with both sampled tokens
+    assert any(early for _, early in old_calls[1:])  # and asked early once it had caught up
 
 
 def test_the_plan_is_told_what_each_sequence_s_call_would_catch_up(target):
