@@ -767,6 +767,37 @@ def test_nodes_that_cost_little_on_the_scoring_curve_are_priced_low():
     assert shapes(free) == [(4, 8)] and free[0].min_node_prob == 0.0
 
 
+def test_a_tree_that_its_measured_times_say_pays_is_drafted_whatever_the_line_s_slope():
+    """One row 22 ms, two 30 ms, a chain's five 30.5 ms and a tree's nine 31 ms: the scoring line's slope over every
+    size (0.8 ms a row) prices a tree's 8 nodes at twice a chain's 4, and Dinkelbach alone drafts the chain (the
+    negative control), though the step times measured make the tree's rate 6% higher. A tree that adds nothing to
+    its best guesses is still not drafted: the chain is as fast at fewer rows."""
+
+    def policy_and_seqs(rescued: int, grown: bool = True) -> tuple[SpecPolicy, list]:
+        policy = SpecPolicy(max_tree_nodes=8)
+        for query, seconds in ((1, 0.022), (2, 0.030), (5, 0.0305), (9, 0.031)):
+            policy.record_step(1, query, seconds)
+        for tree in (False, True):
+            for depth, seconds in ((1, 0.004), (4, 0.010)):
+                policy.record_propose(1, depth, tree, seconds)
+        if not grown:
+            policy._grown = lambda *args: None
+        acc = AcceptanceEstimate(alpha=0.6, tested=1000)
+        for i in range(60):  # `rescued` of 60 trees accepted a token more than their best guesses
+            acc.tree_misses.update(depth=4, num_accepted=2 if i < rescued else 1, best_drafted=4, best_accepted=1)
+        return policy, [(acc, 4)]
+
+    policy, seqs = policy_and_seqs(rescued=20)
+    plan = policy.plan(seqs)
+    assert shapes(plan) == [(4, 8)]
+    chain_rate = policy._rate([Plan(4)], seqs)
+    assert policy._rate(plan, seqs) > 1.05 * chain_rate
+    control, control_seqs = policy_and_seqs(rescued=20, grown=False)
+    assert shapes(control.plan(control_seqs)) == [(4, 0)]
+    policy, seqs = policy_and_seqs(rescued=0)
+    assert shapes(policy.plan(seqs)) == [(4, 0)]
+
+
 def test_a_kind_whose_trees_were_priced_down_to_their_paths_is_still_priced():
     """Priced trees that sent only their best-guess paths (4 nodes at depth 4) leave the kind's recent tree size at
     4. The price is read over the trees' bound, not over those rows: it stays what it was, where reading it over
