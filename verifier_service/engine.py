@@ -570,7 +570,7 @@ class Engine:
         asks = []
         for seq in self.scheduler.running:
             plan = plans.get(seq.seq_id)
-            if plan is not None and plan.k > 0 and seq.num_uncomputed == 1 and not self.scheduler.lag(seq):
+            if plan is not None and plan.k > 0 and seq.num_uncomputed == 1 and not self._catches_up(seq):
                 asks.append(self._request(seq, len(seq.tokens), plan.k, plan.tree_nodes, plan.min_node_prob))
         if not asks:
             return
@@ -582,6 +582,11 @@ class Engine:
         finally:
             if observer is not None:
                 observer.asked_early(token)
+
+    def _catches_up(self, seq: Sequence) -> bool:
+        """Whether the sequence's next propose call would carry a catch-up: more than a step's tokens, or its whole
+        history to a proposer stream that has not seen it (a reconnect: `_request` sends it whole)."""
+        return bool(self.scheduler.lag(seq)) or seq.proposer_stream != getattr(self.drafter, "connections", 0)
 
     def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
         """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's

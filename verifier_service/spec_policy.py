@@ -484,13 +484,21 @@ class SpecPolicy:
             plans, rate = candidate, self._rate(candidate, seqs)
         best, best_rate = (filled, filled_rate) if filled is not None and filled_rate > rate else (plans, rate)
         grown = self._grown(best, depth, seqs)
-        if grown is not None and (grown_rate := self._rate(grown, seqs)) > best_rate:
-            return grown, grown_rate
-        return best, best_rate
+        if grown is None or (grown_rate := self._rate(grown, seqs)) <= best_rate:
+            return best, best_rate
+        # Judged as `plan` will run them, lifted to FAIR_SHARE (where a plan cannot be, `plan` drops the depth): a
+        # grown tree's rows may slow a sequence that drafts little below its share
+        fair_best, fair_grown = self._lift_slowed(best, seqs, depth), self._lift_slowed(grown, seqs, depth)
+        if fair_grown is None or (
+            fair_best is not None and self._rate(fair_best, seqs) >= self._rate(fair_grown, seqs)
+        ):
+            return best, best_rate
+        return grown, grown_rate
 
     def _grown(self, plans: list[Plan], depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan] | None:
-        """The plan with each sequence that drafts a chain and may draft a tree this deep drafting its tree
-        instead (None where none may), to be judged on the step times measured. Dinkelbach weighs a tree's nodes at
+        """The plan with each sequence that drafts a chain, may draft a tree this deep (at its full depth, as
+        `_best_for`) and whose tree is expected to add to its chain drafting that tree instead (None where none
+        may), to be judged on the step times measured. Dinkelbach weighs a tree's nodes at
         the scoring line's slope over every size, and rows cost little within a block of the products and much
         across one: at one client (fp32 target, Zen 4 host) the slope swung between 0.1 and 2.2 ms a row as the
         times of one row and of several moved, where a tree of 8 nodes scored in 29-30 ms against 28 for a chain
@@ -498,10 +506,18 @@ class SpecPolicy:
         against 0.7 where it drafted trees)."""
         nodes = self.max_tree_nodes
         grown = [
-            self._tree(acc, k_max) if p.k and not p.tree_nodes and depth == k_max and 1 <= k_max < nodes else p
+            self._tree(acc, k_max)
+            if p.k and not p.tree_nodes and 1 <= k_max <= depth and k_max < nodes and self._tree_adds(p, acc, k_max)
+            else p
             for p, (acc, k_max) in zip(plans, seqs, strict=True)
         ]
         return None if grown == plans else grown
+
+    @staticmethod
+    def _tree_adds(chain: Plan, acc: AcceptanceEstimate, k_max: int) -> bool:
+        """Whether the sequence's tree is expected to emit more than its chain: one whose trees add nothing would
+        only add rows to the grown plan, and could sink it for the sequences whose trees pay."""
+        return acc.expected_tree_gain(k_max) > acc.chain_gain(chain.k)
 
     def _filled(self, depth: int, seqs: list[tuple[AcceptanceEstimate, int]]) -> tuple[list[Plan] | None, float]:
         """Of the chain plans drafting n tokens in all, the one with the most expected tokens takes the n likeliest

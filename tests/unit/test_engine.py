@@ -315,8 +315,8 @@ def test_a_new_request_starts_from_the_acceptance_earlier_requests_of_its_kind_a
 
 
 def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
-    """The request asked early after the prefill carries the whole prompt and its features: a catch-up that
-    costs what the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
+    """The first request after the prefill carries the whole prompt and its features: a catch-up that costs what
+    the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
     batch size out of the plan for good (402 ms a call at batch 8 in the gateway benchmark)."""
 
     class EarlyFeatureDrafter(NgramDrafter):
@@ -346,7 +346,7 @@ def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
     while engine.has_unfinished():
         engine.step()
     rows = EarlyFeatureDrafter.rows
-    assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # asked early after the prefill, with the prompt
+    assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # the first call after the prefill, with the prompt
     assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
     assert caught == [len(prompt) + 1]  # the prompt and the token its prefill sampled
 
@@ -790,6 +790,30 @@ def test_a_step_that_prefills_a_prompt_drafts_for_no_sequence_whose_call_would_c
     assert ahead.plan_ahead()["old"].k > 0
     arrive(ahead, {"new": [2] * 10})
     assert ks(ahead) == {"old": (1, 0), "new": (10, 0)}
+
+
+def test_after_a_new_proposer_stream_a_sequences_history_is_not_asked_early(target):
+    """A new proposer stream (a reconnect: the drafter's `connections` counter) holds nothing of a sequence, so its
+    next call carries its whole history: a catch-up, not asked early, though no lag shows in what was sent."""
+    drafter = EarlyAskDrafter()
+    drafter.connections = 0
+    engine = engine_with(target, drafter, k=2, adaptive_k=True)
+    prompt = prompts(1, seed=3)[0]
+    engine.add_request("r", prompt, SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.seqs["r"].acceptance = AcceptanceEstimate(alpha=0.95, tested=1000)
+    steps = 0
+    while not any(early for _, _, early in drafter.calls):  # caught up, then asked early
+        engine.step()
+        steps += 1
+        assert steps < 10
+    drafter.connections = 1  # the proposer restarted
+    before = len(drafter.calls)
+    for _ in range(2):
+        engine.step()
+    after = drafter.calls[before:]
+    history = len(engine.seqs["r"].tokens) if "r" in engine.seqs else None
+    assert after and not any(early and n > 3 for _, n, early in after)  # no early call carried the history
+    assert any(n > 3 and not early for _, n, early in after), (after, history)  # it went at a step's start
 
 
 def test_kept_features_are_copies_in_a_slab_per_sequence():

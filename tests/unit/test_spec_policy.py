@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from verifier_service import acceptance, spec_policy, step_times
-from verifier_service.acceptance import AcceptanceEstimate
+from verifier_service.acceptance import AcceptanceEstimate, TreeMisses
 from verifier_service.spec_policy import FAIR_SHARE, Plan, SpecPolicy
 from verifier_service.step_times import PLAIN, StepCost, StepTimes
 
@@ -796,6 +796,32 @@ def test_a_tree_that_its_measured_times_say_pays_is_drafted_whatever_the_line_s_
     assert shapes(control.plan(control_seqs)) == [(4, 0)]
     policy, seqs = policy_and_seqs(rescued=0)
     assert shapes(policy.plan(seqs)) == [(4, 0)]
+
+
+def test_a_grown_tree_never_costs_a_depth_its_fair_plan():
+    """Two sequences, acceptance 0.9 (its trees rescue a token in 40 of 60) and 0.04; rows nearly free up to 10 at
+    batch 2. At depth 4 the grown plan (a tree for the first, the second plain) has the higher raw rate, but its
+    rows slow the second sequence below FAIR_SHARE and no chain lifts it back, while the chains' plan lifts to
+    chains of 4 for both: the policy keeps that (159.5 tok/s); taking the grown plan lost the depth (144.3)."""
+    policy = SpecPolicy(max_tree_nodes=8)
+    for query, seconds in ((2, 0.030), (3, 0.0301), (6, 0.0302), (10, 0.0312), (14, 0.033)):
+        policy.record_step(2, query, seconds)
+    for tree in (False, True):
+        for depth, seconds in ((1, 0.0005), (4, 0.001)):
+            policy.record_propose(2, depth, tree, seconds)
+    rescuing, none = TreeMisses(), TreeMisses()
+    for i in range(60):
+        rescuing.update(depth=4, num_accepted=2 if i < 40 else 1, best_drafted=4, best_accepted=1)
+        none.update(depth=4, num_accepted=1, best_drafted=4, best_accepted=1)
+    seqs = [
+        (AcceptanceEstimate(alpha=0.9, tested=1000, tree_misses=rescuing), 4),
+        (AcceptanceEstimate(alpha=0.04, tested=1000, tree_misses=none), 4),
+    ]
+    plan = policy.plan(seqs)
+    assert shapes(plan) == [(4, 0), (4, 0)]
+    grown = [policy._tree(seqs[0][0], 4), Plan(0)]
+    assert policy._rate(grown, seqs) > policy._rate([Plan(4), Plan(0)], seqs)  # the raw rate favours it
+    assert policy._lift_slowed(grown, seqs, 4) is None  # but it cannot be made fair
 
 
 def test_a_kind_whose_trees_were_priced_down_to_their_paths_is_still_priced():
