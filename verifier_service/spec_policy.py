@@ -469,7 +469,7 @@ class SpecPolicy:
         filled, filled_rate = self._filled(depth, seqs)
         if filled is not None and self._lags is not None and self._per_position:
             filled_rate = self._rate(filled, seqs)  # with the catch-ups its drafting sequences carry
-        if filled is not None and not any(1 <= k_max <= depth and k_max < self.max_tree_nodes for _, k_max in seqs):
+        if filled is not None and not any(self._tree_fits(k_max, depth) for _, k_max in seqs):
             # No sequence may draft a tree this deep: the filled plan is the candidate, as with chains only (running
             # Dinkelbach here instead dropped the depth whenever plain decoding beat its chains)
             return filled, filled_rate
@@ -504,14 +504,18 @@ class SpecPolicy:
         times of one row and of several moved, where a tree of 8 nodes scored in 29-30 ms against 28 for a chain
         of 4, and 38% of the plans drafted chains, most of them at the steep slopes (a mean of 1.1 ms a row
         against 0.7 where it drafted trees)."""
-        nodes = self.max_tree_nodes
         grown = [
             self._tree(acc, k_max)
-            if p.k and not p.tree_nodes and 1 <= k_max <= depth and k_max < nodes and self._tree_adds(p, acc, k_max)
+            if p.k and not p.tree_nodes and self._tree_fits(k_max, depth) and self._tree_adds(p, acc, k_max)
             else p
             for p, (acc, k_max) in zip(plans, seqs, strict=True)
         ]
         return None if grown == plans else grown
+
+    def _tree_fits(self, k_max: int, depth: int) -> bool:
+        """Whether a sequence may draft a tree in a plan at most `depth` deep: trees are drafted at a sequence's
+        full depth only, and only where it allows fewer tokens than a tree's nodes."""
+        return 1 <= k_max <= depth and k_max < self.max_tree_nodes
 
     @staticmethod
     def _tree_adds(chain: Plan, acc: AcceptanceEstimate, k_max: int) -> bool:
@@ -588,10 +592,9 @@ class SpecPolicy:
         k, alpha = 0, acc.alpha
         while k < depth and alpha ** (k + 1) >= token_price:
             k += 1
-        nodes = self.max_tree_nodes
-        if depth == k_max >= 1 and nodes > k_max:
+        if self._tree_fits(k_max, depth):  # `depth` is at most k_max here: the sequence's full depth
             tree = self._tree(acc, k_max)
-            tree_value = acc.expected_tree_gain(k_max) - token_price * (tree.scored_nodes or nodes)
+            tree_value = acc.expected_tree_gain(k_max) - token_price * (tree.scored_nodes or self.max_tree_nodes)
             if tree_value > acc.chain_gain(k) - token_price * k:
                 return tree
         return Plan(k)

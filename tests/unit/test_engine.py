@@ -314,43 +314,6 @@ def test_a_new_request_starts_from_the_acceptance_earlier_requests_of_its_kind_a
     assert engine.seqs["sampled"].acceptance.alpha == 0.5  # no sampled request was seen: the agnostic prior
 
 
-def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
-    """The first request after the prefill carries the whole prompt and its features: a catch-up that costs what
-    the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
-    batch size out of the plan for good (402 ms a call at batch 8 in the gateway benchmark)."""
-
-    class EarlyFeatureDrafter(NgramDrafter):
-        """Takes early asks as the remote proposer does (send now, collect later) and wants the features."""
-
-        needs_target_features = True
-        rows: list[int] = []  # feature rows per request, asked early or not
-
-        def propose(self, requests):
-            self.rows.extend(0 if r.features is None else r.features.shape[0] for r in requests)
-            return super().propose(requests)
-
-        def send(self, requests):
-            return self.propose(requests)
-
-        def collect(self, drafts):
-            return drafts
-
-    engine = engine_with(target, EarlyFeatureDrafter(), k=2)
-    recorded: list[int] = []
-    caught: list[int] = []  # a catch-up call's positions: its time per position is learned apart
-    policy = engine.scheduler.policy
-    policy.record_propose = lambda batch, depth, tree, seconds: recorded.append(depth)
-    policy.record_catch_up = lambda batch, depth, tree, seconds, positions: caught.append(positions)
-    prompt = prompts(1, seed=3)[0] * 3  # longer than a step commits
-    engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
-    while engine.has_unfinished():
-        engine.step()
-    rows = EarlyFeatureDrafter.rows
-    assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # the first call after the prefill, with the prompt
-    assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
-    assert caught == [len(prompt) + 1]  # the prompt and the token its prefill sampled
-
-
 class EarlyAskDrafter(NgramDrafter):
     """Takes early asks as the remote proposer does (send now, collect later); records every call as (sequence,
     tokens it carried, asked early)."""
@@ -368,6 +331,37 @@ class EarlyAskDrafter(NgramDrafter):
 
     def collect(self, drafts):
         return drafts
+
+
+def test_a_call_that_carries_the_prompt_is_not_a_propose_cost(target):
+    """The first request after the prefill carries the whole prompt and its features: a catch-up that costs what
+    the prompt is long, never what a drafting round costs. Counted as one, it priced drafting at a
+    batch size out of the plan for good (402 ms a call at batch 8 in the gateway benchmark)."""
+
+    class EarlyFeatureDrafter(EarlyAskDrafter):
+        """Wants the features, as an EAGLE head does."""
+
+        needs_target_features = True
+        rows: list[int] = []  # feature rows per request, asked early or not
+
+        def propose(self, requests, early=False):
+            self.rows.extend(0 if r.features is None else r.features.shape[0] for r in requests)
+            return super().propose(requests, early)
+
+    engine = engine_with(target, EarlyFeatureDrafter(), k=2)
+    recorded: list[int] = []
+    caught: list[int] = []  # a catch-up call's positions: its time per position is learned apart
+    policy = engine.scheduler.policy
+    policy.record_propose = lambda batch, depth, tree, seconds: recorded.append(depth)
+    policy.record_catch_up = lambda batch, depth, tree, seconds, positions: caught.append(positions)
+    prompt = prompts(1, seed=3)[0] * 3  # longer than a step commits
+    engine.add_request("r", prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    rows = EarlyFeatureDrafter.rows
+    assert rows[0] == len(prompt) and max(rows[1:]) <= 3  # the first call after the prefill, with the prompt
+    assert len(recorded) == len(rows) - 1  # every drafting round counted but that one
+    assert caught == [len(prompt) + 1]  # the prompt and the token its prefill sampled
 
 
 def test_a_prompt_that_arrives_after_a_step_does_not_wait_for_a_catch_up_asked_early(target):
