@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -235,6 +235,17 @@ def plan_batches(lengths: list[int], tokens_per_step: int, rng: random.Random) -
     return batches + ([group] if group else [])
 
 
+def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, start_step: int) -> Iterator[list[int]]:
+    """Every epoch's batches in turn (epoch e shuffled by seed * 1000 + e), from the batch `start_step` steps in:
+    a resumed run continues with the batch it stopped at. Epochs are counted by their own lengths, which differ:
+    the grouping depends on the order."""
+    epoch, skip = 0, start_step
+    while True:
+        plan = plan_batches(lengths, tokens_per_step, random.Random(seed * 1000 + epoch))
+        yield from plan[skip:]
+        skip, epoch = max(0, skip - len(plan)), epoch + 1
+
+
 @dataclass
 class Trainer:
     arch: ModelArch
@@ -446,7 +457,7 @@ class Trainer:
                 raise ValueError(f"--export needs a checkpoint, and {checkpoint} is not there")
             return
         lengths = [int(s["tokens"].shape[0]) for s in samples]
-        per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed)))
+        per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed * 1000)))
         started, first_step, seconds_before = time.monotonic(), self.step, self.seconds
         feature_seconds = 0.0  # of the paced steps: the target's prefill (cached after one epoch if it all fits)
         prefill_once = bool(getattr(features, "holds_all", lambda _: False)(lengths))
@@ -461,39 +472,39 @@ class Trainer:
         bar = tqdm(
             total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else "")
         )
+        batches = epoch_batches(lengths, c.tokens_per_step, c.seed, self.step)
         while self.step < self.planned_steps:
-            epoch, skip = divmod(self.step, per_epoch)  # a resumed run continues with the batch it stopped at
-            for group in plan_batches(lengths, c.tokens_per_step, random.Random(c.seed * 1000 + epoch))[skip:]:
-                convs = [samples[i] for i in group]
-                feature_started = time.monotonic()
-                feats = features([s["tokens"] for s in convs])
-                feature_seconds += time.monotonic() - feature_started
-                batch = make_batch(convs, feats, c.unroll, c.max_len, pack=True)
-                if batch is None:  # nothing generated in these conversations: count the step, learn nothing
-                    self.step += 1
-                    bar.update(1)
-                    continue
-                stats = self.train_step(batch)
+            group = next(batches)
+            convs = [samples[i] for i in group]
+            feature_started = time.monotonic()
+            feats = features([s["tokens"] for s in convs])
+            feature_seconds += time.monotonic() - feature_started
+            batch = make_batch(convs, feats, c.unroll, c.max_len, pack=True)
+            if batch is None:  # nothing generated in these conversations: count the step, learn nothing
+                self.step += 1
                 bar.update(1)
-                spent = time.monotonic() - started
-                self.seconds = seconds_before + spent
-                sitting["to_step"], sitting["minutes"] = self.step, round(spent / 60, 1)
-                best = f"{self.best[0]:.3f}" if self.best else "-"
-                bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", heldout=best)
-                if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
-                    # The cosine schedule ends where the budget will, at the pace measured so far (with a
-                    # margin for the held-out checks and a busier machine).
-                    self.planned_steps = min(
-                        c.steps, paced_steps(0.85 * c.time_budget_s, spent, feature_seconds, per_epoch, prefill_once)
-                    )
-                    bar.total = self.planned_steps
-                out_of_time = bool(c.time_budget_s) and spent > c.time_budget_s
-                done = self.step >= self.planned_steps
-                if evaluate is not None and (self.step % c.eval_every == 0 or done or out_of_time):
-                    self.consider(evaluate(self))
-                if self.step % c.checkpoint_every == 0 or done or out_of_time:
-                    self.save_checkpoint(checkpoint)
-                if done or out_of_time:
-                    bar.close()
-                    return
+                continue
+            stats = self.train_step(batch)
+            bar.update(1)
+            spent = time.monotonic() - started
+            self.seconds = seconds_before + spent
+            sitting["to_step"], sitting["minutes"] = self.step, round(spent / 60, 1)
+            best = f"{self.best[0]:.3f}" if self.best else "-"
+            bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", heldout=best)
+            if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
+                # The cosine schedule ends where the budget will, at the pace measured so far (with a
+                # margin for the held-out checks and a busier machine).
+                self.planned_steps = min(
+                    c.steps, paced_steps(0.85 * c.time_budget_s, spent, feature_seconds, per_epoch, prefill_once)
+                )
+                bar.total = self.planned_steps
+            out_of_time = bool(c.time_budget_s) and spent > c.time_budget_s
+            done = self.step >= self.planned_steps
+            if evaluate is not None and (self.step % c.eval_every == 0 or done or out_of_time):
+                self.consider(evaluate(self))
+            if self.step % c.checkpoint_every == 0 or done or out_of_time:
+                self.save_checkpoint(checkpoint)
+            if done or out_of_time:
+                bar.close()
+                return
         bar.close()

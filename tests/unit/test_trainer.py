@@ -5,7 +5,9 @@ two-step case, and the held-out measure against greedy drafting with the serving
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import random
 import subprocess
 import sys
 
@@ -28,10 +30,21 @@ from shared.model.eagle import (
 )
 from shared.model.rope import RotaryEmbedding, apply_rotary
 from specdec_train.__main__ import main
+from specdec_train.data import load_samples
 from specdec_train.evaluate import rows_for
 from specdec_train.heldout import HeldOut, walk_rounds
 from specdec_train.report import frequency_subset, measure_acceptance
-from specdec_train.train import Batch, TrainConfig, Trainer, make_batch, paced_steps, scored, unrolled_forward
+from specdec_train.train import (
+    Batch,
+    TrainConfig,
+    Trainer,
+    epoch_batches,
+    make_batch,
+    paced_steps,
+    plan_batches,
+    scored,
+    unrolled_forward,
+)
 from tests.tiny import ours, tiny_hf_model
 
 
@@ -67,6 +80,40 @@ def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
     assert torch.load(checkpoint, weights_only=False)["step"] == 8
     (store,) = (work / "features").iterdir()  # the features its steps prefilled, kept for the next sitting
     assert store.name == "tiny-target-layers0_2_3-fp16" and list(store.glob("*.pt"))
+
+
+def test_a_warm_start_drafts_over_the_subset_of_its_own_data_not_its_heads(tmp_path):
+    """A warm start takes the frequency subset of the data it trains on: the subset's LM-head rows are the
+    target's own, frozen, so an old head's subset (the committed one's was counted with prompt text and held 91%
+    of generated tokens, a fresh one 98%) would only keep frequent answer tokens out of every draft."""
+    work, first, stale, second = (tmp_path / name for name in ("work", "first", "stale", "second"))
+    quick = ["--quick", "--work-dir", str(work), "--threads", "1", "--feature-layers", "-1"]
+    main([*quick, "--out", str(first)])
+    config, state = json.loads((first / "config.json").read_text()), load_head_state(first)
+    vocab_size = config["vocab_size"]
+    state["vocab_subset"] = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[:64]
+    save_head(stale, config, state)
+    main([*quick, "--seed", "1", "--out", str(second), "--init-from", str(stale)])
+    samples = load_samples(sorted((work / "data").glob("shard-*.pt")))
+    eos = json.loads((work / "tiny-target" / "config.json").read_text())["eos_token_id"]
+    kept = load_head_state(second)["vocab_subset"]
+    assert torch.equal(kept, frequency_subset(samples, vocab_size, 64, (eos,)))
+    assert not torch.equal(kept, state["vocab_subset"])
+
+
+def test_epochs_of_different_lengths_are_walked_whole_and_a_resumed_run_goes_on_where_it_stopped():
+    """Conversations are grouped into steps in each epoch's own shuffled order, so epochs differ in length: every
+    epoch's batches come in turn, none skipped or repeated (counting epochs by the first one's length stalled a
+    warm start of seed 1 for ever, its epoch 0 being shorter than the count), and a run resumed at any step goes
+    on with the batch it stopped at."""
+    lengths = [int(n) for n in torch.randint(1, 100, (60,), generator=torch.Generator().manual_seed(0))]
+    plans = [plan_batches(lengths, 150, random.Random(1 * 1000 + epoch)) for epoch in range(4)]
+    assert len({len(plan) for plan in plans}) > 1  # the case in question: epochs of different lengths
+    walked = [group for plan in plans for group in plan]
+    assert list(itertools.islice(epoch_batches(lengths, 150, 1, 0), len(walked))) == walked
+    for start in (1, len(plans[0]) - 1, len(plans[0]), len(plans[0]) + len(plans[1]) + 2):
+        resumed = epoch_batches(lengths, 150, 1, start)
+        assert list(itertools.islice(resumed, len(walked) - start)) == walked[start:]
 
 
 def test_frequency_subset_ranks_generated_ids_by_count_then_id():
