@@ -239,6 +239,8 @@ def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, start_ste
     """Every epoch's batches in turn (epoch e shuffled by seed * 1000 + e), from the batch `start_step` steps in:
     a resumed run continues with the batch it stopped at. Epochs are counted by their own lengths, which differ:
     the grouping depends on the order."""
+    if not lengths:
+        raise ValueError("no conversations to train on: every epoch would be empty")
     epoch, skip = 0, start_step
     while True:
         plan = plan_batches(lengths, tokens_per_step, random.Random(seed * 1000 + epoch))

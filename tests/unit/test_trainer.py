@@ -114,6 +114,8 @@ def test_epochs_of_different_lengths_are_walked_whole_and_a_resumed_run_goes_on_
     for start in (1, len(plans[0]) - 1, len(plans[0]), len(plans[0]) + len(plans[1]) + 2):
         resumed = epoch_batches(lengths, 150, 1, start)
         assert list(itertools.islice(resumed, len(walked) - start)) == walked[start:]
+    with pytest.raises(ValueError, match="no conversations"):  # not an endless walk of empty epochs
+        next(epoch_batches([], 150, 1, 0))
 
 
 def test_frequency_subset_ranks_generated_ids_by_count_then_id():
