@@ -235,15 +235,20 @@ def plan_batches(lengths: list[int], tokens_per_step: int, rng: random.Random) -
     return batches + ([group] if group else [])
 
 
+def epoch_plan(lengths: list[int], tokens_per_step: int, seed: int, epoch: int) -> list[list[int]]:
+    """Epoch `epoch`'s batches: its own shuffle, seeded by seed * 1000 + epoch."""
+    return plan_batches(lengths, tokens_per_step, random.Random(seed * 1000 + epoch))
+
+
 def epoch_batches(lengths: list[int], tokens_per_step: int, seed: int, start_step: int) -> Iterator[list[int]]:
-    """Every epoch's batches in turn (epoch e shuffled by seed * 1000 + e), from the batch `start_step` steps in:
-    a resumed run continues with the batch it stopped at. Epochs are counted by their own lengths, which differ:
-    the grouping depends on the order."""
+    """Every epoch's batches in turn (`epoch_plan`), from the batch `start_step` steps in: a resumed run continues
+    with the batch it stopped at. Epochs are counted by their own lengths, which differ: the grouping depends on
+    the order."""
     if not lengths:
         raise ValueError("no conversations to train on: every epoch would be empty")
     epoch, skip = 0, start_step
     while True:
-        plan = plan_batches(lengths, tokens_per_step, random.Random(seed * 1000 + epoch))
+        plan = epoch_plan(lengths, tokens_per_step, seed, epoch)
         yield from plan[skip:]
         skip, epoch = max(0, skip - len(plan)), epoch + 1
 
@@ -459,7 +464,7 @@ class Trainer:
                 raise ValueError(f"--export needs a checkpoint, and {checkpoint} is not there")
             return
         lengths = [int(s["tokens"].shape[0]) for s in samples]
-        per_epoch = len(plan_batches(lengths, c.tokens_per_step, random.Random(c.seed * 1000)))
+        per_epoch = len(epoch_plan(lengths, c.tokens_per_step, c.seed, 0))  # the pace's epoch: the first
         started, first_step, seconds_before = time.monotonic(), self.step, self.seconds
         feature_seconds = 0.0  # of the paced steps: the target's prefill (cached after one epoch if it all fits)
         prefill_once = bool(getattr(features, "holds_all", lambda _: False)(lengths))

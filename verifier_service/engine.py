@@ -586,7 +586,12 @@ class Engine:
     def _catches_up(self, seq: Sequence) -> bool:
         """Whether the sequence's next propose call would carry a catch-up: more than a step's tokens, or its whole
         history to a proposer stream that has not seen it (a reconnect: `_request` sends it whole)."""
-        return bool(self.scheduler.lag(seq)) or seq.proposer_stream != getattr(self.drafter, "connections", 0)
+        return bool(self.scheduler.lag(seq)) or seq.proposer_stream != self._stream
+
+    @property
+    def _stream(self) -> int:
+        """The drafter's proposer stream now (RemoteProposer.connections; 0 for a drafter in this process)."""
+        return getattr(self.drafter, "connections", 0)
 
     def _draft_request(self, s: ScheduledSeq, committed: int) -> DraftRequest:
         """What the drafter is told of a sequence: the tokens (and features) it has not seen, and this step's
@@ -595,7 +600,7 @@ class Engine:
         return self._request(s.seq, committed, k, nodes, s.min_node_prob)
 
     def _request(self, seq: Sequence, committed: int, k: int, nodes: int, min_node_prob: float) -> DraftRequest:
-        stream = getattr(self.drafter, "connections", 0)
+        stream = self._stream
         if seq.proposer_stream != stream:
             # A new stream holds nothing of the sequence: send it whole now, uncharged, rather than have the
             # proposer ask (a resend charged to the sequence, and a step without drafts). Tokens counted as sent
