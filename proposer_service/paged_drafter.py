@@ -17,6 +17,7 @@ drafted token (an `Expansion`) gives the distribution after it (`_expand_logits`
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Generic, Protocol, TypeVar
@@ -34,6 +35,12 @@ from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
 from shared.seeded import gumbel_argmax, gumbel_noise
 
 AHEAD_WIDTH = 3  # guesses kept per draft position for drafting ahead
+# Where a round's time goes (the proposer's `specdec_proposer_phase_duration_seconds`): `ingest`, the tokens of
+# rounds answered from the speculation cache that drafting ahead had not applied yet; `catch_up`, the drafter's
+# state brought up to the committed tokens (an EAGLE head: one forward over the new positions' target features,
+# the first of the round, reading weights the verifier's step pushed out of the cache); `draft`, the chains and
+# trees themselves.
+PHASES = ("ingest", "catch_up", "draft")
 # Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
@@ -71,13 +78,17 @@ class PagedDrafter(Generic[State]):
         self._ingest: list[DraftRequest] = []  # requests answered from the cache, their tokens not yet applied
         self._no_evict = False  # while drafting ahead: never evict a real sequence's cache for an alias
         self._subset_ids: list[int] | None = None  # vocab_subset as a list, once read
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # the last round's (`propose`), by phase
 
     # ---- the round ------------------------------------------------------------------------------
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One round: requests whose outcome was drafted ahead are answered from the speculation cache (their
         tokens applied later, off the critical path), the others drafted now."""
+        started = time.perf_counter()
         self._apply_ingests()
+        self.phase_seconds = dict.fromkeys(PHASES, 0.0)
+        self.phase_seconds["ingest"] = time.perf_counter() - started
         if not self.cache.ahead:
             return self._propose_now(requests)
         hits = {}
@@ -216,7 +227,10 @@ class PagedDrafter(Generic[State]):
                 matchers.append(matcher)
             else:
                 idle.append((req, tokens))
+        started = time.perf_counter()
         self._catch_up(active, idle)
+        caught_up = time.perf_counter()
+        self.phase_seconds["catch_up"] += caught_up - started
         grow = [grows_tree(req, matcher) for (req, _), matcher in zip(active, matchers, strict=True)]
         trees = [req for (req, _), tree in zip(active, grow, strict=True) if tree]
         chains = [(req, matcher) for (req, _), matcher, tree in zip(active, matchers, grow, strict=True) if not tree]
@@ -227,6 +241,8 @@ class PagedDrafter(Generic[State]):
             with draft_walk(self.grammar, [matcher for _, matcher in chains]) as walk:
                 for draft in self._draft([req for req, _ in chains], walk):
                     drafts[draft.seq_id] = draft
+        if active:
+            self.phase_seconds["draft"] += time.perf_counter() - caught_up
         return [drafts[req.seq_id] for req in requests]
 
     def draft_feeds(self, req: DraftRequest) -> int:

@@ -285,7 +285,11 @@ class ProposerServicer(proposer_pb2_grpc.ProposerServicer):
             if not requests:
                 return []
             self.drafter_calls += 1
-            return self.drafter.propose(requests)
+            drafts = self.drafter.propose(requests)
+            phases = getattr(self.drafter, "phase_seconds", None)  # read before drafting ahead adds to it
+            if phases is not None:
+                self.telemetry.record_phases(phases)
+            return drafts
 
 
 # ---- serving -----------------------------------------------------------------------------------

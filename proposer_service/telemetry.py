@@ -71,6 +71,19 @@ class ProposerTelemetry:
             description="time to answer one propose message (state updates and drafting)",
             explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
         )
+        self.phase_seconds = meter.create_histogram(
+            "specdec_proposer_phase_duration_seconds",
+            unit="s",
+            description="a model drafter's round by phase: ingest (tokens of rounds answered from the speculation "
+            "cache), catch_up (its state brought up to the committed tokens), draft (the chains and trees)",
+            explicit_bucket_boundaries_advisory=STEP_BUCKETS_S,
+        )
+        self._phase_attrs: dict[str, dict[str, str]] = {}
+
+    def record_phases(self, seconds: dict[str, float]) -> None:
+        """One drafter round's time by phase (paged_drafter.PHASES); from the drafting thread."""
+        for phase, value in seconds.items():
+            self.phase_seconds.record(value, self._phase_attrs.setdefault(phase, {"phase": phase}))
 
     def message_started(self, request: proposer_pb2.ProposeRequest) -> tuple[float, trace.Span | None]:
         span = None

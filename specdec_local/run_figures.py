@@ -11,6 +11,9 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+# The proposer's phases (proposer_service.paged_drafter.PHASES) as the line names them, in a round's order.
+PHASE_NAMES = (("ingest", "ingest"), ("catch-up", "catch_up"), ("drafting", "draft"))
+
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     """{(sample name, sorted labels): value} of one endpoint; {} when it cannot be read."""
@@ -54,6 +57,7 @@ def figures(verifier: dict, proposer: dict) -> list[str]:
             f"propose on the verifier's critical path: {propose_s * 1e3:.1f} ms a step, {propose_s / step_s:.0%} of "
             f"its {step_s * 1e3:.1f} ms"
         )
+    lines.extend(_proposer_round(verifier, proposer))
     asked, used = (
         value(verifier, "specdec_early_drafts_asked_total"),
         value(verifier, "specdec_early_drafts_used_total"),
@@ -76,6 +80,26 @@ def figures(verifier: dict, proposer: dict) -> list[str]:
     else:
         lines.append("drafting ahead: off (SPECDEC_DRAFT_AHEAD=N turns it on)")
     return lines
+
+
+def _proposer_round(verifier: dict, proposer: dict) -> list[str]:
+    """Where a propose round's time goes: the proposer's own phases, and the network (the verifier's round trip
+    less the proposer's time)."""
+    messages = value(proposer, "specdec_proposer_draft_duration_seconds_count")
+    if not messages:
+        return []
+    message_s = value(proposer, "specdec_proposer_draft_duration_seconds_sum") / messages
+    line = f"a propose message: {message_s * 1e3:.1f} ms in the proposer"
+    phase = "specdec_proposer_phase_duration_seconds"
+    rounds = value(proposer, f"{phase}_count", phase="draft")
+    if rounds:
+        parts = [(name, value(proposer, f"{phase}_sum", phase=key) / rounds) for name, key in PHASE_NAMES]
+        line += " (a drafter round: " + ", ".join(f"{name} {seconds * 1e3:.1f}" for name, seconds in parts) + " ms)"
+    network = "specdec_step_phase_duration_seconds"
+    steps = value(verifier, f"{network}_count", phase="network")
+    if steps:
+        line += f", {value(verifier, f'{network}_sum', phase='network') / steps * 1e3:.1f} ms on the network"
+    return [line]
 
 
 def main() -> None:

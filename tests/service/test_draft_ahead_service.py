@@ -14,6 +14,7 @@ import pytest
 
 from proposer_service.builder import ProposerInfo
 from proposer_service.config import ProposerConfig
+from proposer_service.paged_drafter import PHASES
 from proposer_service.server import ProposerServer
 from shared.proto_gen.specdec.v1 import verifier_pb2_grpc
 from shared.telemetry import setup_telemetry
@@ -76,6 +77,7 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
                 with proposer.servicer._drafter_lock:
                     proposer_samples = scrape(f"127.0.0.1:{telemetry.metrics_port}")
                     cache = dataclasses.replace(drafter.cache.stats)
+                    rounds = proposer.servicer.drafter_calls
         finally:
             await verifier.shutdown(0.5)
             await proposer.shutdown(0.1)
@@ -88,6 +90,14 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
         hit_rate = f"{cache.hits / (cache.hits + cache.misses):.0%} of rounds answered from the speculation cache"
         assert any(hit_rate in line for line in lines), lines
         assert any(line.startswith("propose on the verifier's critical path: ") for line in lines), lines
+        # every drafter round's time, by phase (paged_drafter.PHASES), and the line that splits a message's time
+        phase = "specdec_proposer_phase_duration_seconds"
+        for name in PHASES:
+            assert value(proposer_samples, f"{phase}_count", phase=name) == rounds > 0
+        assert value(proposer_samples, f"{phase}_sum", phase="catch_up") > 0
+        assert value(proposer_samples, f"{phase}_sum", phase="draft") > 0
+        round_line = [line for line in lines if line.startswith("a propose message: ")]
+        assert len(round_line) == 1 and "catch-up" in round_line[0] and "on the network" in round_line[0], lines
         telemetry.shutdown()
 
     asyncio.run(asyncio.wait_for(body(), 120))

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
+from proposer_service.paged_drafter import PHASES
 from shared.drafting import DraftRequest
 from shared.model.build import CacheConfig
 from shared.sampling import SamplingParams, logits_to_probs, params_to_tensors
@@ -161,3 +163,26 @@ def test_a_forward_that_raises_offers_nothing_unwritten_to_the_prefix_cache(draf
     drafter.release(["s"])
     match = drafter.blocks.match_prefix(tokens[:-1])
     assert len(match.blocks) * drafter.blocks.block_size <= written
+
+
+def test_a_round_s_time_is_told_by_phase(draft_hf, monkeypatch):
+    """What the proposer's phase metric reads (`phase_seconds`): each phase slowed in turn by a sleep in the
+    drafter's own method shows in that phase and in no other; a round that only follows tokens drafts nothing."""
+    slow, tokens = 0.2, [3, 14, 15, 2, 65]
+    for slowed, method in (("catch_up", "_catch_up"), ("draft", "_draft")):
+        drafter = new_drafter(draft_hf)
+        original = getattr(drafter, method)
+
+        def slower(*args, original=original):
+            time.sleep(slow)
+            return original(*args)
+
+        monkeypatch.setattr(drafter, method, slower)
+        draft = drafter.propose([DraftRequest("s", len(tokens), tokens, 4)])[0]
+        assert len(draft.token_ids) == 4
+        phases = drafter.phase_seconds
+        assert set(phases) == set(PHASES)
+        assert phases[slowed] >= slow, phases
+        assert all(seconds < slow for phase, seconds in phases.items() if phase != slowed), phases
+    drafter.propose([DraftRequest("s", len(tokens) + 1, [7], 0)])
+    assert drafter.phase_seconds["draft"] == 0.0
