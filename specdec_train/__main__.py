@@ -73,6 +73,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--time-budget-min", type=float, default=60.0, help="stop training after this (0 = no limit)")
     p.add_argument("--resume", action="store_true", help="train a finished checkpoint on to --steps")
     p.add_argument(
+        "--stop-at", type=int, default=0,
+        help="stop after this step, on the schedule of --steps (0 = at its end): where a sitting's time budget "
+        "stopped it, so that the model card's command, which has no clock, trains the same steps",
+    )  # fmt: skip
+    p.add_argument(
         "--export", action="store_true",
         help="write the head (best weights so far), card and evaluation from the checkpoint, training nothing "
         "(e.g. while a run goes on in the background)",
@@ -125,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
     target = quick_target(args.work_dir) if args.quick else args.target or default_target_model()
     given = _without(
         list(argv if argv is not None else sys.argv[1:]),
-        ("--steps", "--time-budget-min", "--resume", "--shards-on-disk", "--export")
+        ("--steps", "--time-budget-min", "--stop-at", "--resume", "--shards-on-disk", "--export")
         + (("--num-conversations",) if args.shards_on_disk else ()),
     )
 
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> None:
     train_config = TrainConfig(
         steps=args.steps, tokens_per_step=args.tokens_per_step, max_len=args.max_len, lr=args.lr, warmup=args.warmup,
         unroll=args.unroll,
-        reg_weight=args.reg_weight, time_budget_s=args.time_budget_min * 60, seed=args.seed,
+        reg_weight=args.reg_weight, time_budget_s=args.time_budget_min * 60, stop_at=args.stop_at, seed=args.seed,
         eval_every=2 if args.quick else args.eval_every,
     )  # fmt: skip
     target_features = TargetFeatures(target_model[0], layers, max_tokens=max(4096, args.tokens_per_step + 2048))
@@ -168,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
         samples, features, args.work_dir / f"checkpoint-seed{args.seed}.pt", heldout,
         extend_to=args.steps if args.resume else None, export_only=args.export,
     )  # fmt: skip
-    # The same schedule without a clock: the step count the time budget settled on, fixed.
+    # The same schedule without a clock: the step count the time budget settled on, fixed, and where the budget
+    # (or --stop-at) ended the sitting before the schedule's end.
     command = " ".join(
         [
             "python -m specdec_train",
@@ -177,6 +183,7 @@ def main(argv: list[str] | None = None) -> None:
             *(["--num-conversations", str(len(samples))] if args.shards_on_disk else []),
             "--steps",
             str(trainer.planned_steps),
+            *(["--stop-at", str(trainer.step)] if trainer.step < trainer.planned_steps else []),
             "--time-budget-min 0",
         ]
     )

@@ -51,6 +51,7 @@ class TrainConfig:
     checkpoint_every: int = 50
     eval_every: int = 50
     time_budget_s: float = 0.0  # 0 = none; otherwise stop (and save) once spent
+    stop_at: int = 0  # 0 = none; otherwise stop (and save) after this step, on the schedule of `steps`
     seed: int = 0
     dropout: float = 0.0
 
@@ -404,7 +405,7 @@ class Trainer:
             return False
         ckpt = torch.load(path, weights_only=False)
         mine, theirs = asdict(self.config), dict(ckpt["config"])
-        for free in ("steps", "time_budget_s", "eval_every", "checkpoint_every"):
+        for free in ("steps", "time_budget_s", "stop_at", "eval_every", "checkpoint_every"):
             mine.pop(free)
             theirs.pop(free, None)
         same_subset = torch.equal(ckpt["state"]["vocab_subset"], self.vocab_subset.long())
@@ -418,6 +419,11 @@ class Trainer:
         if extend_to is not None:
             self.planned_steps = max(self.planned_steps, extend_to)
         return True
+
+    def _stops_here(self) -> bool:
+        """Whether `stop_at` ends this sitting here: a sitting its time budget stopped before the end of its
+        schedule, trained again without a clock, stops where it did."""
+        return bool(self.config.stop_at) and self.step >= self.config.stop_at
 
     @torch.no_grad()
     def _measure_best_again(self, evaluate: Callable[[Trainer], float]) -> None:
@@ -474,13 +480,13 @@ class Trainer:
             "minutes": 0.0,
             "started": time.strftime("%Y-%m-%d %H:%M"),
         }
-        if self.step < self.planned_steps:
+        if self.step < self.planned_steps and not self._stops_here():
             self.sittings.append(sitting)
         bar = tqdm(
             total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else "")
         )
         batches = epoch_batches(lengths, c.tokens_per_step, c.seed, self.step)
-        while self.step < self.planned_steps:
+        while self.step < self.planned_steps and not self._stops_here():
             group = next(batches)
             convs = [samples[i] for i in group]
             feature_started = time.monotonic()
@@ -506,7 +512,7 @@ class Trainer:
                 )
                 bar.total = self.planned_steps
             out_of_time = bool(c.time_budget_s) and spent > c.time_budget_s
-            done = self.step >= self.planned_steps
+            done = self.step >= self.planned_steps or self._stops_here()
             if evaluate is not None and (self.step % c.eval_every == 0 or done or out_of_time):
                 self.consider(evaluate(self))
             if self.step % c.checkpoint_every == 0 or done or out_of_time:

@@ -82,6 +82,24 @@ def test_quick_pipeline_writes_a_loadable_head_and_resumes(tmp_path):
     assert store.name == "tiny-target-layers0_2_3-fp16" and list(store.glob("*.pt"))
 
 
+def test_a_sitting_stopped_before_its_schedule_ends_is_reproduced_by_its_card_and_resumes(tmp_path):
+    """A sitting that stopped before the end of its schedule (its time budget, here --stop-at) trained the steps up
+    to there on the schedule's learning rates; the card's command, which has no clock, says both, and a later
+    sitting trains on from the checkpoint to the schedule's end. Before --stop-at the card gave the schedule's
+    length alone, which trains past where the head was taken."""
+    work, out = tmp_path / "work", tmp_path / "head"
+    args = ["--quick", "--work-dir", str(work), "--out", str(out), "--threads", "1"]
+    main([*args, "--steps", "6", "--stop-at", "3"])
+    checkpoint = work / "checkpoint-seed0.pt"
+    ckpt = torch.load(checkpoint, weights_only=False)
+    assert ckpt["step"] == 3 and ckpt["planned_steps"] == 6
+    assert "--steps 6 --stop-at 3 --time-budget-min 0" in (out / "README.md").read_text()
+    main([*args, "--resume", "--steps", "6"])
+    assert torch.load(checkpoint, weights_only=False)["step"] == 6
+    assert "--steps 6 --time-budget-min 0" in (out / "README.md").read_text()
+    assert "--stop-at" not in (out / "README.md").read_text()
+
+
 def test_a_warm_start_drafts_over_the_subset_of_its_own_data_not_its_heads(tmp_path):
     """A warm start takes the frequency subset of the data it trains on: the subset's LM-head rows are the
     target's own, frozen, so an old head's subset (the committed one's was counted with prompt text and held 91%
