@@ -420,10 +420,11 @@ class Trainer:
             self.planned_steps = max(self.planned_steps, extend_to)
         return True
 
-    def _stops_here(self) -> bool:
-        """Whether `stop_at` ends this sitting here: a sitting its time budget stopped before the end of its
-        schedule, trained again without a clock, stops where it did."""
-        return bool(self.config.stop_at) and self.step >= self.config.stop_at
+    def _sitting_over(self) -> bool:
+        """Whether this sitting ends here: at the schedule's end, or at `stop_at` (a sitting its time budget
+        stopped before the end of its schedule, trained again without a clock, stops where it did)."""
+        stop_at = self.config.stop_at
+        return self.step >= self.planned_steps or bool(stop_at) and self.step >= stop_at
 
     @torch.no_grad()
     def _measure_best_again(self, evaluate: Callable[[Trainer], float]) -> None:
@@ -480,13 +481,13 @@ class Trainer:
             "minutes": 0.0,
             "started": time.strftime("%Y-%m-%d %H:%M"),
         }
-        if self.step < self.planned_steps and not self._stops_here():
+        if not self._sitting_over():
             self.sittings.append(sitting)
         bar = tqdm(
             total=self.planned_steps, initial=self.step, desc="training head" + (" (resumed)" if resumed else "")
         )
         batches = epoch_batches(lengths, c.tokens_per_step, c.seed, self.step)
-        while self.step < self.planned_steps and not self._stops_here():
+        while not self._sitting_over():
             group = next(batches)
             convs = [samples[i] for i in group]
             feature_started = time.monotonic()
@@ -512,7 +513,7 @@ class Trainer:
                 )
                 bar.total = self.planned_steps
             out_of_time = bool(c.time_budget_s) and spent > c.time_budget_s
-            done = self.step >= self.planned_steps or self._stops_here()
+            done = self._sitting_over()
             if evaluate is not None and (self.step % c.eval_every == 0 or done or out_of_time):
                 self.consider(evaluate(self))
             if self.step % c.checkpoint_every == 0 or done or out_of_time:
