@@ -18,6 +18,7 @@ Stacks:
     secure    main's services with TLS on every port, mutual TLS between them and an API key at the gateway
               (certificates and key made per run: pki.py)
     eagle     the EAGLE head, adaptive k, a tiny KV cache (preemption)
+    eagle-fixed  the same with k = 4 fixed (every request drafts through preemption)
 
 Environment: SPECDEC_E2E_STARTUP_TIMEOUT (seconds to wait for a stack to be healthy, default 300).
 """
@@ -46,6 +47,13 @@ STACK_FIXTURES: dict[str, dict[str, Any]] = {
         name="eagle",
         proposer_kind="eagle",
         adaptive_k=True,
+        verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
+    ),
+    # The same with k fixed: at a batch of 8 the adaptive policy may rightly leave every request plain (on CI's
+    # 2-core machine it did, 2026-12-07), and preempted sequences must be seen drafting through the processes.
+    "eagle_fixed_stack": dict(
+        name="eagle-fixed",
+        proposer_kind="eagle",
         verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
     ),
     "secure_stack": dict(name="secure", secure=True),
@@ -130,6 +138,11 @@ def orphan_gateway(request, _launcher) -> Stack:
 @pytest.fixture(scope="session")
 def eagle_stack(request, _launcher) -> Stack:
     return _stack(request, _launcher, "eagle_stack")
+
+
+@pytest.fixture(scope="session")
+def eagle_fixed_stack(request, _launcher) -> Stack:
+    return _stack(request, _launcher, "eagle_fixed_stack")
 
 
 @pytest.fixture(scope="session")
