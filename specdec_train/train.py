@@ -447,7 +447,8 @@ class Trainer:
 
     def consider(self, value: float) -> None:
         """Record the held-out measure of the current weights; keep them if they are the best so far."""
-        self.history[-1]["heldout"] = value
+        if self.history and self.history[-1]["step"] == self.step:  # a step that learnt nothing has no record
+            self.history[-1]["heldout"] = value
         if self.best is None or value > self.best[0]:
             self.best = (value, self.step, self._weights())
 
@@ -494,17 +495,19 @@ class Trainer:
             feats = features([s["tokens"] for s in convs])
             feature_seconds += time.monotonic() - feature_started
             batch = make_batch(convs, feats, c.unroll, c.max_len, pack=True)
-            if batch is None:  # nothing generated in these conversations: count the step, learn nothing
-                self.step += 1
-                bar.update(1)
-                continue
-            stats = self.train_step(batch)
+            # A step whose conversations hold no generated token counts and learns nothing, but is otherwise a
+            # step like any: the held-out check and the checkpoint still come at it when it is due or the last.
+            if batch is None:
+                stats, self.step = None, self.step + 1
+            else:
+                stats = self.train_step(batch)
             bar.update(1)
             spent = time.monotonic() - started
             self.seconds = seconds_before + spent
             sitting["to_step"], sitting["minutes"] = self.step, round(spent / 60, 1)
-            best = f"{self.best[0]:.3f}" if self.best else "-"
-            bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", heldout=best)
+            if stats is not None:
+                best = f"{self.best[0]:.3f}" if self.best else "-"
+                bar.set_postfix(loss=f"{stats['loss']:.3f}", top1=f"{stats['top1_1']:.2f}", heldout=best)
             if c.time_budget_s and self.step - first_step == PACE_STEPS and not resumed:
                 # The cosine schedule ends where the budget will, at the pace measured so far (with a
                 # margin for the held-out checks and a busier machine).

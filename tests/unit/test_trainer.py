@@ -595,3 +595,29 @@ def test_a_checkpoint_rated_by_the_older_measure_has_its_best_weights_rated_agai
         assert resumed.best is not None and resumed.best[1] == 3
         assert resumed.best[0] == (pytest.approx(0.25) if older else 9.0) and len(calls) == int(older)
         torch.testing.assert_close(resumed.state[name], current)
+
+
+def test_a_last_step_that_learns_nothing_still_gets_its_heldout_check_and_checkpoint(tmp_path):
+    """A step whose conversations hold no generated token counts without training. When it is the sitting's last,
+    the held-out check and the checkpoint must still come at it: until 2026-12-07 the loop skipped both, so the
+    checkpoint stayed steps behind (a resumed run trained them again) and the last weights were never rated."""
+    model, _ = ours(tiny_hf_model(seed=5, layers=4))
+    arch, _, layers = _arch_and_state(fused=False)
+    config = TrainConfig(steps=3, tokens_per_step=8, eval_every=50, checkpoint_every=50)
+    trainer = Trainer(arch, model.embed_tokens.weight, model.lm_head_weight, torch.arange(16), config, layers)
+    samples = [{"tokens": torch.arange(6), "generated": torch.zeros(6, dtype=torch.bool)} for _ in range(4)]
+    hidden = arch.hidden_size
+
+    def features(rows):
+        return [(torch.zeros(len(r), hidden), torch.zeros(len(r), hidden)) for r in rows]
+
+    rated_at = []
+
+    def measured(t: Trainer) -> float:
+        rated_at.append(t.step)
+        return 1.0
+
+    path = tmp_path / "checkpoint.pt"
+    trainer.fit(samples, features, path, measured)
+    assert trainer.step == 3 and rated_at == [3]
+    assert torch.load(path, weights_only=False)["step"] == 3
