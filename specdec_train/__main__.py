@@ -19,7 +19,14 @@ from pathlib import Path
 import torch
 
 from shared.malloc_tuning import tune_malloc
-from shared.model.eagle import arch_from_config, eagle3_layers, head_config, load_head_state, save_head
+from shared.model.eagle import (
+    arch_from_config,
+    eagle3_layers,
+    head_config,
+    load_head_state,
+    read_head_config,
+    save_head,
+)
 from shared.model.loader import load_embeddings, load_model
 from shared.settings import REPO_ROOT, default_target_model
 from specdec_train.conversations import held_out_conversations
@@ -84,8 +91,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     p.add_argument(
         "--init-from", type=Path, default=None,
-        help="warm start from this EAGLE-1 head (fc and layers; the subset is this run's data's): an EAGLE-1 head "
-        "(--feature-layers -1) trains on from its weights; a fused head's input starts as the final state "
+        help="warm start from this head (the subset is this run's data's): an EAGLE-1 head into an EAGLE-1 head "
+        "(--feature-layers -1), or a fused head into one of the same --feature-layers, trains on from its weights; "
+        "an EAGLE-1 head into a fused head: fc and layers, the input starting as the final state "
         "(--feature-layers must include -1)",
     )  # fmt: skip
     p.add_argument("--eval-every", type=int, default=TrainConfig.eval_every, help="steps between held-out checks")
@@ -117,6 +125,16 @@ def feature_layers(spec: str, num_target_layers: int) -> tuple[int, ...]:
     return eagle3_layers(num_target_layers) if spec == "auto" else tuple(int(i) for i in spec.split(","))
 
 
+def _check_warm_start_layers(init_from: Path | None, layers: tuple[int, ...]) -> None:
+    """Before any data is generated: a fused head's `fuse` columns belong to its layers, in order."""
+    init_layers = read_head_config(init_from).get("target_feature_layers", [-1]) if init_from else [-1]
+    if init_layers != [-1] and tuple(init_layers) != layers:
+        raise SystemExit(
+            f"--init-from {init_from} reads the target's layers {init_layers}: a fused head warm-starts only a "
+            f"head of the same layers, and --feature-layers gives {list(layers)}"
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -135,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     )
 
     target_model = load_model(target)
+    _check_warm_start_layers(args.init_from, feature_layers(args.feature_layers, target_model[1].num_layers))
     data = DataConfig(
         target, args.work_dir / "data", args.num_conversations, args.gen_batch, seed=args.seed,
         random_prompts=args.quick, max_new_tokens=24 if args.quick else None, shard_size=8 if args.quick else 128,
@@ -224,6 +243,8 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
     )
     chain = heldout.measure(_with_state(trainer, trainer.best_state()))
     fused = trainer.feature_layers != (-1,)
+    init_layers = read_head_config(args.init_from).get("target_feature_layers", [-1]) if args.init_from else [-1]
+    init_fused = init_layers != [-1]
     c = trainer.config
     write_card(
         args.out / "README.md",
@@ -241,7 +262,8 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
             f"\n- Warm start (`--init-from {args.init_from}`): "
             + (
                 "fc and decoder layer from that EAGLE-1 head, `fuse` reading only the final state at first"
-                if fused else "every weight of that EAGLE-1 head, trained on from there"
+                if fused and not init_fused
+                else f"every weight of that {'fused' if fused else 'EAGLE-1'} head, trained on from there"
             )
             + " (`Trainer.start_from`)"
             + (f"; held-out measure at the start {start.mean_accepted_length:.2f}." if start else ".")

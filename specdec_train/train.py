@@ -283,15 +283,17 @@ class Trainer:
         reading only the final state (-1 must be among the layers) scaled back to the state's typical RMS,
         and the output norm scaled to the old head's typical output RMS (both measured on `batch`), so the new
         head starts out drafting like the old one. The other layers' fuse columns start at 0.
-        Into another EAGLE-1 head every weight is copied as it is: training goes on from that head (new data,
-        a longer unroll), e.g. a committed head trained on across sessions whose data did not survive. A deeper
-        head's extra decoder layers start as the identity (their attention and MLP outputs projected by zeros,
-        so the residual passes through): it drafts exactly as the old head at first, and only gains depth as
-        training moves those projections."""
-        if "fuse.weight" in eagle1:
-            raise ValueError("a warm start takes an EAGLE-1 head (a fused head cannot start another)")
+        Into another EAGLE-1 head, or from a fused head into one that reads the same target layers (the
+        trainer's command checks that they are the same), every weight is copied as it is: training goes on from
+        that head (new data, a longer unroll), e.g. a committed head trained on across sessions whose data did
+        not survive. A deeper head's extra decoder layers start as the identity (their attention and MLP outputs
+        projected by zeros, so the residual passes through): it drafts exactly as the old head at first, and
+        only gains depth as training moves those projections."""
         weights = {name: value for name, value in eagle1.items() if name != "vocab_subset"}
-        if "fuse.weight" not in self.state:
+        own_fuse = self.state.get("fuse.weight", torch.empty(0))
+        if "fuse.weight" in weights and weights["fuse.weight"].shape != own_fuse.shape:
+            raise ValueError("a fused head warm-starts only a fused head that reads as many target layers")
+        if "fuse.weight" in weights or "fuse.weight" not in self.state:
             self.load_weights(weights)
             self._extra_layers_as_identity(weights)
             return

@@ -119,6 +119,20 @@ def test_a_warm_start_drafts_over_the_subset_of_its_own_data_not_its_heads(tmp_p
     assert not torch.equal(kept, state["vocab_subset"])
 
 
+def test_a_fused_head_warm_starts_a_fused_head_of_its_layers_and_no_other(tmp_path):
+    """`--init-from` a fused head: a head reading the same target layers trains on from every weight; other
+    layers are refused at once, before any data is generated (`fuse`'s columns belong to the old layers)."""
+    work, first, second = (tmp_path / name for name in ("work", "first", "second"))
+    quick = ["--quick", "--work-dir", str(work), "--threads", "1"]
+    main([*quick, "--out", str(first)])
+    warm = [*quick, "--seed", "1", "--out", str(second), "--init-from", str(first)]
+    with pytest.raises(SystemExit, match=r"reads the target's layers \[0, 2, 3\].*--feature-layers gives \[0, 3\]"):
+        main([*warm, "--feature-layers", "0,3"])
+    assert not second.exists()
+    main(warm)
+    assert "every weight of that fused head, trained on from there" in (second / "README.md").read_text()
+
+
 def test_epochs_of_different_lengths_are_walked_whole_and_a_resumed_run_goes_on_where_it_stopped():
     """Conversations are grouped into steps in each epoch's own shuffled order, so epochs differ in length: every
     epoch's batches come in turn, none skipped or repeated (counting epochs by the first one's length stalled a
@@ -394,26 +408,31 @@ def test_warm_start_from_an_eagle1_head_drafts_like_it():
 def _unrolled_old_and_new(trainer: Trainer, old_state, old_arch, embed, unroll: int):
     """(old head's step, warm-started head's step) for each unroll step, on the same random features."""
     gen = torch.Generator().manual_seed(2)
-    features, next_ids = torch.randn(1, 9, old_arch.hidden_size, generator=gen) * 3, torch.randint(0, 96, (1, 9))
+    width = old_state["fuse.weight"].shape[1] if "fuse.weight" in old_state else old_arch.hidden_size
+    features, next_ids = torch.randn(1, 9, width, generator=gen) * 3, torch.randint(0, 96, (1, 9))
     with torch.no_grad():
         old = unrolled_forward(old_state, old_arch, trainer.rotary, features, F.embedding(next_ids, embed), unroll)
         new = trainer.forward(Batch(features, next_ids, features[0]), unroll)
     return list(zip(old, new, strict=True))
 
 
-def test_warm_start_of_an_eagle1_head_from_an_eagle1_head_goes_on_from_its_weights():
-    """Training on from a committed EAGLE-1 head: every weight copied as it is, so the first forward is the
-    old head's exactly; a fused head is refused as a source."""
-    arch, old_state, layers = _arch_and_state(fused=False, seed=4)
+@pytest.mark.parametrize("fused", [False, True], ids=["eagle1", "fused"])
+def test_warm_start_from_a_head_of_the_same_kind_goes_on_from_its_weights(fused):
+    """Training on from a committed head (new data, another sitting's settings): every weight, `fuse` included,
+    copied as it is, so the first forward is the old head's exactly. A fused head cannot start an EAGLE-1 head,
+    nor a fused head of other layers (until 2026-12-07 every fused source was refused: only --resume of the same
+    run went on from one)."""
+    arch, old_state, layers = _arch_and_state(fused=fused, seed=4)
     embed, lm_head = torch.randn(96, arch.hidden_size), torch.randn(96, arch.hidden_size)
     trainer = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), layers)
     assert not torch.equal(trainer.state["fc.weight"], old_state["fc.weight"])
     trainer.start_from(old_state, None)
     for old_step, new_step in _unrolled_old_and_new(trainer, old_state, arch, embed, 2):
         assert torch.equal(old_step, new_step)
-    _, fused_state, _ = _arch_and_state(fused=True)
-    with pytest.raises(ValueError, match="fused head cannot start"):
-        trainer.start_from(fused_state, None)
+    _, fused_state, fused_layers = _arch_and_state(fused=True)
+    other = Trainer(arch, embed, lm_head, torch.arange(16), TrainConfig(), fused_layers[:2]) if fused else trainer
+    with pytest.raises(ValueError, match="fused head warm-starts only a fused head that reads as many target layers"):
+        other.start_from(fused_state, None)
 
 
 def test_a_deeper_head_warm_started_from_an_eagle1_head_drafts_exactly_like_it_and_its_new_layer_can_learn():
