@@ -20,8 +20,10 @@ import torch
 
 from shared.malloc_tuning import tune_malloc
 from shared.model.eagle import (
+    FINAL_LAYER,
     arch_from_config,
     eagle3_layers,
+    feature_layers_of,
     head_config,
     load_head_state,
     read_head_config,
@@ -127,11 +129,11 @@ def feature_layers(spec: str, num_target_layers: int) -> tuple[int, ...]:
 
 def _check_warm_start_layers(init_from: Path | None, layers: tuple[int, ...]) -> None:
     """Before any data is generated: a fused head's `fuse` columns belong to its layers, in order."""
-    init_layers = read_head_config(init_from).get("target_feature_layers", [-1]) if init_from else [-1]
-    if init_layers != [-1] and tuple(init_layers) != layers:
+    init_layers = feature_layers_of(read_head_config(init_from)) if init_from else FINAL_LAYER
+    if init_layers != FINAL_LAYER and init_layers != layers:
         raise SystemExit(
-            f"--init-from {init_from} reads the target's layers {init_layers}: a fused head warm-starts only a "
-            f"head of the same layers, and --feature-layers gives {list(layers)}"
+            f"--init-from {init_from} reads the target's layers {list(init_layers)}: a fused head warm-starts only "
+            f"a head of the same layers, and --feature-layers gives {list(layers)}"
         )
 
 
@@ -243,8 +245,7 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
     )
     chain = heldout.measure(_with_state(trainer, trainer.best_state()))
     fused = trainer.feature_layers != (-1,)
-    init_layers = read_head_config(args.init_from).get("target_feature_layers", [-1]) if args.init_from else [-1]
-    init_fused = init_layers != [-1]
+    init_fused = args.init_from is not None and feature_layers_of(read_head_config(args.init_from)) != FINAL_LAYER
     c = trainer.config
     write_card(
         args.out / "README.md",
