@@ -34,28 +34,23 @@ import pytest
 from specdec_local.processes import Stack, StackError, build_stack
 from tests.e2e.pki import PKI
 
+# The repository's EAGLE head and a verifier KV cache far too small for 8 sequences at once: a 256-token context
+# limit and 20 blocks of 16 (320 tokens, just above one full-length sequence), while the 8 prompts + 128 tokens
+# need about 80 blocks (prefix caching shares the chat template's blocks and some answers end early, which is why
+# 66 blocks at 1,024 never preempted). Greedy streams run through preemption by recompute.
+_EAGLE_TINY_KV: dict[str, Any] = dict(
+    proposer_kind="eagle", verifier_args=("--max-model-len", "256", "--num-kv-blocks", "20")
+)
+
 STACK_FIXTURES: dict[str, dict[str, Any]] = {
     "e2e_stack": dict(name="main"),
     "fault_stack": dict(name="fault", verifier_args=["--max-num-seqs", "3", "--max-waiting", "1"]),
     "orphan_gateway": dict(name="orphan", with_verifier=False),
-    # The repository's EAGLE head, adaptive k (the default), and a verifier KV cache far too small for 8
-    # sequences at once: a 256-token context limit and 20 blocks of 16 (320 tokens, just above one
-    # full-length sequence), while the 8 prompts + 128 tokens need about 80 blocks (prefix caching shares the
-    # chat template's blocks and some answers end early, which is why 66 blocks at 1,024 never preempted).
-    # Greedy streams run through preemption by recompute.
-    "eagle_stack": dict(
-        name="eagle",
-        proposer_kind="eagle",
-        adaptive_k=True,
-        verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
-    ),
+    # The repository's EAGLE head, adaptive k (the default), and a KV cache far too small for 8 (`_EAGLE_TINY_KV`).
+    "eagle_stack": dict(name="eagle", adaptive_k=True, **_EAGLE_TINY_KV),
     # The same with k fixed: at a batch of 8 the adaptive policy may rightly leave every request plain (on CI's
     # 2-core machine it did, 2026-12-07), and preempted sequences must be seen drafting through the processes.
-    "eagle_fixed_stack": dict(
-        name="eagle-fixed",
-        proposer_kind="eagle",
-        verifier_args=["--max-model-len", "256", "--num-kv-blocks", "20"],
-    ),
+    "eagle_fixed_stack": dict(name="eagle-fixed", **_EAGLE_TINY_KV),
     "secure_stack": dict(name="secure", secure=True),
     # Its proposer drafts ahead: a verifier killed mid-stream leaves cache entries for sequences that never ask
     # again, and the resumed requests (new sequences on the survivor) are drafted on demand.
