@@ -344,7 +344,11 @@ STACK_KINDS = {
     "eagle-tree": "eagle",  # k = 4 and a tree every step: what the adaptive policy is measured against
     "ngram": "ngram",
     "suffix-adaptive": "suffix",  # suffix_bench's stack: adaptive k <= K_SUFFIX
+    # A second target-only stack, started after the others: paired rounds' A/A control. Its ratio to target-only
+    # is the spread a ratio has where the two stacks do not differ at all (only on request: it is no product row).
+    "target-twin": None,
 }
+TWIN = "target-twin"
 K_SUFFIX = 16  # suffix drafts are as long as the match is sure: the repeat of an answer drafts 16 at a time
 
 
@@ -378,7 +382,7 @@ def build_stacks(
     core_of = {"verifier": VERIFIER_CORE if split else None, "other": PROPOSER_CORE if split else None}
     stacks = {}
     names = names or [
-        n for n in STACK_KINDS if STACK_KINDS[n] != "suffix" and (STACK_KINDS[n] != "eagle" or eagle_head)
+        n for n in STACK_KINDS if STACK_KINDS[n] != "suffix" and (STACK_KINDS[n] != "eagle" or eagle_head) and n != TWIN
     ]
     for name in names:
         base, dtype = _stack_dtype(name)

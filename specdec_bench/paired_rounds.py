@@ -15,6 +15,11 @@ them: the faster of two equally fast, noisy stacks is faster than either. Report
 the TTFT medians, and the CPU seconds each service process used during the rounds (from /proc), which says
 whether a proposer's work beside its verifier competes for the cores. For a small effect (a few percent) take
 many short rounds rather than `gateway_bench`'s few long runs.
+
+`--twin` adds an A/A control: a second target-only stack, started last, in the same rotation. Its ratio to
+target-only is what a ratio reads where nothing differs. At 8 clients, T = 0.8 (2 cores, 2026-12-07) six runs of 12
+rounds gave 0.964-1.013 (median 0.970), and three with the twin started first instead 1.011-1.036: a speculating
+stack (started after target-only) whose median lies within a few percent of 1.0 shows no measured difference.
 """
 
 from __future__ import annotations
@@ -38,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--stack",
         action="append",
-        choices=[k for k in gb.STACK_KINDS if k != "target"],
+        choices=[k for k in gb.STACK_KINDS if k not in ("target", gb.TWIN)],
         help="a speculating stack (repeat for several; the first is set against the others); "
         "default eagle-adaptive-tree, `make run`'s",
     )
@@ -47,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--twin", action="store_true", help="add a second target-only stack: the A/A control")
     parser.add_argument("--json", default="", help="write the samples here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -59,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(gb.NUM_THREADS)
     target = default_target_model()
     spec = list(dict.fromkeys(args.stack or ["eagle-adaptive-tree"]))
-    names = ["target", *spec]
+    names = ["target", *spec, *([gb.TWIN] if args.twin else [])]
     logs = Path(tempfile.mkdtemp(prefix="specdec-paired-"))
     stacks = gb.build_stacks(logs, target, default_draft_model(), str(default_eagle_head()), names)
     procs = [p for s in stacks.values() for p in s.procs]
@@ -122,6 +128,8 @@ def report(args, spec: list[str], samples, cpu: dict[str, float], wall: float) -
     if others:
         best, ratios = against_the_best(samples, first, others)
         print(_line(f"{first} / the best of the others over the rounds ({best})", ratios))
+    if gb.TWIN in samples:
+        print(_line(f"A/A control, {gb.TWIN} / target (no difference)", per_round(samples, gb.TWIN, "target")))
     for name in samples:
         tps = [s["tokens_per_s"] for s in samples[name]]
         ttft = statistics.median(s["ttft_p50_ms"] for s in samples[name])
@@ -131,7 +139,7 @@ def report(args, spec: list[str], samples, cpu: dict[str, float], wall: float) -
     for name, seconds in cpu.items():
         print(f"  CPU {name}: {seconds:.2f} s in {wall:.1f} s of rounds")
     if args.json:
-        ratios = {name: per_round(samples, name, "target") for name in spec}
+        ratios = {name: per_round(samples, name, "target") for name in samples if name != "target"}
         record = {"args": vars(args), "stacks": spec, "ratios": ratios, "samples": samples, "cpu": cpu}
         Path(args.json).write_text(json.dumps(record))
 

@@ -1,11 +1,15 @@
 """specdec_bench.paired_rounds: the first stack against the best of the others over the rounds, not against the
-faster of them in each round (which favours them: the faster of two equally fast, noisy stacks)."""
+faster of them in each round (which favours them: the faster of two equally fast, noisy stacks); the A/A twin as a
+control beside them."""
 
 from __future__ import annotations
 
+import json
 import statistics
+from types import SimpleNamespace
 
-from specdec_bench.paired_rounds import against_the_best, per_round
+from specdec_bench import gateway_bench as gb
+from specdec_bench.paired_rounds import against_the_best, per_round, report
 
 
 def rounds(*tokens_per_s: float) -> list[dict[str, float]]:
@@ -29,3 +33,28 @@ def test_the_best_other_stack_is_chosen_by_its_median_ratio_and_compared_round_b
     faster = [max(chain["tokens_per_s"], tree["tokens_per_s"]) for chain, tree in fixed]
     per_round_max = [p["tokens_per_s"] / f for p, f in zip(samples["policy"], faster, strict=True)]
     assert statistics.median(per_round_max) < statistics.median(ratios)
+
+
+def test_the_twin_is_reported_as_an_aa_control_and_kept_out_of_the_product_stacks(capsys, tmp_path):
+    samples = {
+        "target": [{"tokens_per_s": x, "ttft_p50_ms": 100.0} for x in (10, 20, 10)],
+        "policy": [{"tokens_per_s": x, "ttft_p50_ms": 100.0} for x in (12, 22, 11)],
+        gb.TWIN: [{"tokens_per_s": x, "ttft_p50_ms": 100.0} for x in (9, 21, 10)],
+    }
+    out = tmp_path / "record.json"
+    args = SimpleNamespace(clients=8, temperature=0.8, rounds=3, json=str(out))
+    report(args, ["policy"], samples, {}, 1.0)
+    printed = capsys.readouterr().out
+    assert "A/A control, target-twin / target (no difference): ratio median 1.000" in printed
+    # The twin is a control, not a speculating stack: never "the best of the others", never the first.
+    assert "policy / target-twin" not in printed and "the best of the others" not in printed
+    record = json.loads(out.read_text())
+    assert record["stacks"] == ["policy"]
+    assert record["ratios"][gb.TWIN] == [0.9, 21 / 20, 1.0]
+    # Only on request: the default stacks of gateway_bench hold no twin.
+    default = gb.build_stacks(tmp_path, "target", "draft", "head")
+    assert gb.TWIN not in default and "target" in default
+    assert [p.name for p in gb.build_stacks(tmp_path, "target", "draft", None, [gb.TWIN])[gb.TWIN].procs] == [
+        "target-twin-verifier",
+        "target-twin-gateway",
+    ]
