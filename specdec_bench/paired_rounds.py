@@ -18,7 +18,7 @@ many short rounds rather than `gateway_bench`'s few long runs.
 
 `--twin` adds an A/A control: a second target-only stack, started last, in the same rotation. Its ratio to
 target-only is what a ratio reads where nothing differs. At 8 clients, T = 0.8 (2 cores, 2026-12-07) six runs of 12
-rounds gave 0.964-1.013 (median 0.970), and three with the twin started first instead 1.011-1.036: a speculating
+rounds gave 0.964-1.013 (median 0.973), and three with the twin started first instead 1.011-1.036: a speculating
 stack (started after target-only) whose median lies within a few percent of 1.0 shows no measured difference.
 """
 
