@@ -127,9 +127,14 @@ def feature_layers(spec: str, num_target_layers: int) -> tuple[int, ...]:
     return eagle3_layers(num_target_layers) if spec == "auto" else tuple(int(i) for i in spec.split(","))
 
 
+def _warm_start_layers(init_from: Path | None) -> tuple[int, ...]:
+    """The target layers the `--init-from` head reads (the final state for an EAGLE-1 head, or for none)."""
+    return feature_layers_of(read_head_config(init_from)) if init_from else FINAL_LAYER
+
+
 def _check_warm_start_layers(init_from: Path | None, layers: tuple[int, ...]) -> None:
     """Before any data is generated: a fused head's `fuse` columns belong to its layers, in order."""
-    init_layers = feature_layers_of(read_head_config(init_from)) if init_from else FINAL_LAYER
+    init_layers = _warm_start_layers(init_from)
     if init_layers != FINAL_LAYER and init_layers != layers:
         raise SystemExit(
             f"--init-from {init_from} reads the target's layers {list(init_layers)}: a fused head warm-starts only "
@@ -245,7 +250,7 @@ def _write_card(args, target, config, samples, subset, trainer, heldout, command
     )
     chain = heldout.measure(_with_state(trainer, trainer.best_state()))
     fused = trainer.feature_layers != (-1,)
-    init_fused = args.init_from is not None and feature_layers_of(read_head_config(args.init_from)) != FINAL_LAYER
+    init_fused = _warm_start_layers(args.init_from) != FINAL_LAYER
     c = trainer.config
     write_card(
         args.out / "README.md",
