@@ -56,7 +56,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 
 from verifier_service.acceptance import AcceptanceEstimate, TreeMisses
-from verifier_service.step_times import DRAFTING, FRESH_S, PLAIN, PROBE, Outcomes, StepCost, StepTimes
+from verifier_service.step_times import DRAFTING, FRESH_S, PLAIN, PROBE, DraftingRuns, Outcomes, StepCost, StepTimes
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
 PROBE_BUDGET = 0.01  # the share of the time probes may lose while plain decoding is the plan
@@ -98,7 +98,11 @@ CATCH_UP_WINDOW = 16
 # prompt (43 positions at ~0.25 ms: 2.7 ms a step on a 29 ms plain step, against 4 ms for a chain of one) kept every
 # request whose prior (the population's acceptance) was at most about 0.25 plain for all its 48 tokens, as its lag
 # grew, though a chain of one paid above 0.14 once caught up. A request about to end (fewer steps left than this)
-# spreads it over its own: a lag is not worth paying for a token or two.
+# spreads it over its own: a lag is not worth paying for a token or two. Nor is one that drafting will not be kept
+# up long enough to pay back: a catch-up is spread over no more steps than the drafting runs at that batch size
+# lasted (`DraftingRuns`). Through the gateway at 8 clients (fp32 target, Zen 4 host, 2026-12-07) they lasted 1-3
+# steps, and the steps that started them, charged a sixteenth of their catch-up, emitted 157 tokens in 622 ms
+# where plain steps would have taken 549 (one propose call expected at 7.5 ms took 39.6).
 CATCH_UP_HORIZON = 16
 
 # A kind of sequence whose trees were passed over for this many of its chains drafts one, where that makes the
@@ -181,7 +185,8 @@ class SpecPolicy:
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=CATCH_UP_WINDOW))
     _per_position: float = 0.0  # their median (0 until one was measured)
     _lags: list[int] | None = None  # this plan's: per sequence, the positions its next call would catch up
-    _spreads: list[int] | None = None  # this plan's: per sequence, the steps its catch-up is spread over
+    _spreads: list[float] | None = None  # this plan's: per sequence, the steps its catch-up is spread over
+    runs: DraftingRuns = field(default_factory=lambda: DraftingRuns(CATCH_UP_HORIZON))
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
@@ -227,7 +232,8 @@ class SpecPolicy:
             self.probed = False
             return plain
         self._lags = lags if lags and any(lags) else None
-        self._spreads = [max(1, min(h, CATCH_UP_HORIZON)) for h in horizons] if horizons else None
+        run = self.runs.steps(len(seqs))
+        self._spreads = [max(1.0, min(h, run)) for h in horizons or [CATCH_UP_HORIZON] * len(seqs)]
         key = tuple((id(acc), acc.alpha, acc.tree_misses.share, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or self._plain_steps + 1 >= memo.probe_every  # a probe
@@ -440,7 +446,7 @@ class SpecPolicy:
             "rate plain/drafting=%.1f/%.1f tok/s "
             "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms "
             "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx step chosen/trees=%s/%s ms "
-            "(trees: scoring/propose/rest=%s)",
+            "(trees: scoring/propose/rest=%s) catch-ups spread over %.1f steps",
             batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]],
             [round(acc.expected_tree_gain(k_max), 2) for acc, k_max in seqs[:8]] if self.max_tree_nodes else "-",
             [(round(a.tree_misses.share, 2), a.tree_misses.trees, round(a.tree_misses.nodes, 1)) for a, _ in seqs[:8]],
@@ -451,6 +457,7 @@ class SpecPolicy:
             *(self.outcomes.slowdown(batch, kind) for kind in (PLAIN, DRAFTING, PROBE)),
             _ms(self._time(chosen)), _ms(self._time(trees)) if self.max_tree_nodes else "-",
             "/".join(_ms(t) for t in (parts.scoring, parts.propose, parts.rest)) if self.max_tree_nodes else "-",
+            self.runs.steps(batch),
         )  # fmt: skip
 
     def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
@@ -622,14 +629,14 @@ class SpecPolicy:
     def _catch_up_of(self, plans: list[Plan], kind: str | None = None) -> float:
         """What the plan's propose call is expected to take beyond its call: every drafting sequence's lag, in
         full for a probe (what running it once costs), else spread over the steps it may still run (at most
-        CATCH_UP_HORIZON): a lag is paid once, by whichever step drafts first, and only grows while the sequence
-        decodes plainly."""
+        CATCH_UP_HORIZON, and at most as many as drafting runs at this batch size lasted): a lag is paid once, by
+        whichever step drafts first, and only grows while the sequence decodes plainly."""
         lags = self._lags
         if lags is None or not self._per_position:
             return 0.0
         if kind == PROBE:
             return self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
-        spreads = self._spreads or [CATCH_UP_HORIZON] * len(plans)
+        spreads = self._spreads or [self.runs.steps(len(plans))] * len(plans)
         steps = zip(plans, lags, spreads, strict=True)
         return self.catch_up_seconds(sum(lag / spread for p, lag, spread in steps if p.k))
 
@@ -703,6 +710,7 @@ class SpecPolicy:
     ) -> None:
         """A decode step's emitted tokens and times (its rest up to the next step's start) against what was
         expected of it."""
+        self.runs.add(batch, depth > 0 and not probe)
         if predicted is None:
             return
         kind = PROBE if probe else DRAFTING if depth else PLAIN

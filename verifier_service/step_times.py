@@ -27,6 +27,9 @@ FRESH_S = 5.0
 # in the propose call), plain steps 21.0 ms and 22.0.
 OUTCOME_WINDOW = 64
 OUTCOME_PRIOR = 16
+# Drafting runs (`DraftingRuns`): an average over about the last four. Runs at a batch size are alike (at 8 clients
+# on two cores, 1-3 steps each where drafting barely pays; at one client, every step of a request).
+RUN_WEIGHT = 0.25
 # Probes are few by design (and then each is believed sooner): at 8 clients, T = 0.8, about one a request, and
 # the first ones of a fresh batch carry every prompt (8 x 40-60 tokens through the EAGLE head, 25-30 ms).
 PROBE_PRIOR = 2
@@ -256,6 +259,33 @@ class Outcomes:
             trust = len(steps) / (len(steps) + (PROBE_PRIOR if kind == PROBE else OUTCOME_PRIOR))
             self._slowdowns[key] = min(4.0, max(0.5, prior + trust * (ratio - prior)))
         return self._slowdowns[key]
+
+
+class DraftingRuns:
+    """Per batch size, how many steps in a row drafting plans ran (probes and plain steps end a run): the steps a
+    catch-up is paid back over. A run counts at the batch size it started at, for at most `cap` steps; a size
+    where no run ended yet expects `cap`. The expectation is an average over about the last 1 / RUN_WEIGHT runs."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.expected: dict[int, float] = {}
+        self._run: tuple[int, int] | None = None  # (batch it started at, steps so far)
+
+    def add(self, batch: int, drafting: bool) -> None:
+        """One decode step: `drafting` when it ran a drafting plan (not a probe)."""
+        if drafting:
+            start, steps = self._run or (batch, 0)
+            self._run = (start, steps + 1)
+            return
+        if self._run is not None:
+            start, steps = self._run
+            self._run = None
+            seen = self.expected.get(start)
+            length = min(steps, self.cap)
+            self.expected[start] = length if seen is None else seen + RUN_WEIGHT * (length - seen)
+
+    def steps(self, batch: int) -> float:
+        return self.expected.get(batch, float(self.cap))
 
 
 @dataclass(frozen=True)

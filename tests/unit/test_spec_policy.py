@@ -703,6 +703,51 @@ def test_a_lag_is_paid_once_so_a_plan_is_charged_it_spread_over_the_steps_left(m
     assert first_drafting_step(0.3) is None  # as before: the lock
 
 
+def test_drafting_runs_are_counted_per_batch_size_until_a_plain_step_or_a_probe():
+    runs = step_times.DraftingRuns(cap=16)
+    assert runs.steps(8) == 16  # none ended yet: the cap, as before runs were counted
+    for drafting in (True, True, False, True, False):  # a run of 2, then of 1 (the step after each ends it)
+        runs.add(8, drafting)
+    assert runs.steps(8) == pytest.approx(2 + step_times.RUN_WEIGHT * (1 - 2))
+    assert runs.steps(1) == 16  # another batch size learns apart
+    for _ in range(40):  # a run of 40 at one client counts for the cap
+        runs.add(1, True)
+    runs.add(1, False)
+    assert runs.steps(1) == 16
+    runs.add(8, True)  # a run counts at the batch size it started at, though the batch shrank meanwhile
+    runs.add(7, True)
+    runs.add(7, False)
+    assert runs.steps(7) == 16 and runs.steps(8) == pytest.approx(1.75 + step_times.RUN_WEIGHT * (2 - 1.75))
+
+
+def test_a_lag_is_spread_over_no_more_steps_than_drafting_runs_lasted_at_that_batch_size():
+    """A catch-up spread over 16 steps assumes the batch goes on drafting for 16. Through the gateway at 8 clients
+    (2026-12-07) drafting runs lasted 1-3 steps, and each one's first step paid its whole catch-up on a plan priced
+    for a sixteenth of it. Once runs at batch 8 are seen to last about a step, a plan that pays only with the
+    catch-up spread over 16 steps is not chosen; without the lag it still is, and at a batch size whose runs were
+    long (one client) nothing changes. The negative control: the same runs recorded at another batch size."""
+    cost = COSTS["cpu-eagle"]
+    agreeing = [AcceptanceEstimate(alpha=0.8, tested=1000) for _ in range(8)]
+
+    def policy_after(runs_at: int) -> SpecPolicy:
+        policy = informed_policy(cost, batch=8)
+        call = policy._propose_part(8, 1, False)
+        policy.record_catch_up(8, 1, False, call + 0.400, 250)  # 1.6 ms a caught-up position
+        for _ in range(8):  # drafting runs of one step each
+            policy.runs.add(runs_at, True)
+            policy.runs.add(runs_at, False)
+        return policy
+
+    def drafts(policy: SpecPolicy, lag: int) -> bool:
+        return any(p.k for p in policy.plan([(e, 4) for e in agreeing], lags=[lag] * 8, horizons=[128] * 8))
+
+    assert drafts(policy_after(runs_at=1), 250)  # runs elsewhere: 400 ms a sequence spread over 16 steps pays
+    short = policy_after(runs_at=8)
+    assert short.runs.steps(8) < 1.5
+    assert not drafts(short, 250)  # paid back over about one step: it does not
+    assert drafts(policy_after(runs_at=8), 0)  # caught up, the same batch drafts
+
+
 def shapes(plans: list[Plan]) -> list[tuple[int, int]]:
     """(k, tree nodes) per plan: what a plan drafts, not what it prices its nodes at."""
     return [(p.k, p.tree_nodes) for p in plans]
