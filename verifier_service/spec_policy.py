@@ -185,7 +185,8 @@ class SpecPolicy:
     catch_up: deque[float] = field(default_factory=lambda: deque(maxlen=CATCH_UP_WINDOW))
     _per_position: float = 0.0  # their median (0 until one was measured)
     _lags: list[int] | None = None  # this plan's: per sequence, the positions its next call would catch up
-    _spreads: list[float] | None = None  # this plan's: per sequence, the steps its catch-up is spread over
+    _spreads: list[float] = field(default_factory=list)  # this plan's, set with _lags: per sequence, the steps its
+    # catch-up is spread over
     runs: DraftingRuns = field(default_factory=lambda: DraftingRuns(CATCH_UP_HORIZON))
 
     def new_estimate(self, greedy: bool) -> AcceptanceEstimate:
@@ -636,8 +637,7 @@ class SpecPolicy:
             return 0.0
         if kind == PROBE:
             return self.catch_up_seconds(sum(lag for p, lag in zip(plans, lags, strict=True) if p.k))
-        spreads = self._spreads or [self.runs.steps(len(plans))] * len(plans)
-        steps = zip(plans, lags, spreads, strict=True)
+        steps = zip(plans, lags, self._spreads, strict=True)
         return self.catch_up_seconds(sum(lag / spread for p, lag, spread in steps if p.k))
 
     def catch_up_seconds(self, positions: float) -> float:
