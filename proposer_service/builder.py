@@ -75,6 +75,12 @@ def build_drafter(config: ProposerConfig) -> tuple[Drafter, ProposerInfo]:
     if config.kind == "suffix":
         return build_suffix_drafter(config)
     drafter, info = build_eagle_drafter(config) if config.kind == "eagle" else build_draft_model_drafter(config)
+    if config.suffix_branches:
+        from proposer_service.paged_drafter import PagedDrafter
+        from proposer_service.suffix_branches import SuffixBranches
+
+        assert isinstance(drafter, PagedDrafter)
+        drafter.branches = SuffixBranches(config.suffix_max_depth, config.suffix_min_token_prob)
     if config.compile:
         started = time.monotonic()
         warm_up(drafter, info)

@@ -74,6 +74,15 @@ class ProposerConfig(TLSConfig):
             "match (0: off; pays where the proposer has its own cores, docs/services.md)"
         },
     )
+    suffix_branches: bool = field(
+        default=True,
+        metadata={
+            "help": "draft-model and eagle kinds: join each draft with what followed the sequence's latest tokens in "
+            "its own prompt and output (suffix decoding over the request's own text, no other request's): a branch "
+            "of the model's token tree, or a greedy chain in place of the model's where the text is surer "
+            "(docs/services.md); --no-suffix-branches: the model's drafts alone"
+        },
+    )
     ngram_max: int = field(default=4, metadata={"help": "n-gram kind: longest n-gram looked up"})
     ngram_min: int = field(default=1, metadata={"help": "n-gram kind: shortest n-gram looked up"})
     suffix_cache_tokens: int = field(
@@ -84,7 +93,7 @@ class ProposerConfig(TLSConfig):
         },
     )
     suffix_max_depth: int = field(
-        default=32, metadata={"help": "suffix kind: longest string indexed (match plus draft)"}
+        default=32, metadata={"help": "suffix kind and --suffix-branches: longest string indexed (match plus draft)"}
     )
     suffix_max_spec_factor: float = field(
         default=2.0,
@@ -93,7 +102,10 @@ class ProposerConfig(TLSConfig):
     suffix_max_spec_offset: float = field(default=-1.0, metadata={"help": "suffix kind: see --suffix-max-spec-factor"})
     suffix_min_token_prob: float = field(
         default=0.1,
-        metadata={"help": "suffix kind: a draft stops where its path's empirical probability falls below this"},
+        metadata={
+            "help": "suffix kind and --suffix-branches: a draft stops where its path's empirical probability "
+            "falls below this"
+        },
     )
     tensor_parallel_size: int = field(
         default=1,

@@ -27,6 +27,7 @@ import torch
 from proposer_service.draft_ahead import Candidates, SpeculationCache, top_candidates
 from proposer_service.draft_grammar import DraftGrammar, DraftWalk, draft_walk
 from proposer_service.draft_tree import Expansion, draft_trees, grows_tree
+from proposer_service.suffix_branches import SuffixBranches
 from shared.drafting import Draft, DraftRequest, SequenceHistory, SparseProbs
 from shared.grammar import GrammarCompiler, GrammarMatcher
 from shared.kv.block_manager import BlockManager
@@ -79,12 +80,19 @@ class PagedDrafter(Generic[State]):
         self._no_evict = False  # while drafting ahead: never evict a real sequence's cache for an alias
         self._subset_ids: list[int] | None = None  # vocab_subset as a list, once read
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)  # the last round's (`propose`), by phase
+        self.branches: SuffixBranches | None = None  # the sequences' own text beside the model's guesses
 
     # ---- the round ------------------------------------------------------------------------------
 
     def propose(self, requests: list[DraftRequest]) -> list[Draft]:
         """One round: requests whose outcome was drafted ahead are answered from the speculation cache (their
-        tokens applied later, off the critical path), the others drafted now."""
+        tokens applied later, off the critical path), the others drafted now; with `branches`, joined by the
+        sequences' own text (suffix_branches.py)."""
+        if self.branches is not None:
+            return self.branches.propose(requests, self._round)
+        return self._round(requests)
+
+    def _round(self, requests: list[DraftRequest]) -> list[Draft]:
         started = time.perf_counter()
         self._apply_ingests()
         self.phase_seconds = dict.fromkeys(PHASES, 0.0)
@@ -362,6 +370,8 @@ class PagedDrafter(Generic[State]):
         if self._ingest:  # a cache hit's tokens not yet applied: the sequence is gone, and so is their history
             gone = set(seq_ids)
             self._ingest = [req for req in self._ingest if req.seq_id not in gone]
+        if self.branches is not None:
+            self.branches.release(seq_ids)
         for seq_id in seq_ids:
             self.cache.release(seq_id)
             self.candidates.pop(seq_id, None)

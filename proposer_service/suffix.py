@@ -132,6 +132,18 @@ class SuffixDrafter:
                 run += matcher.forced_after(run)[: req.k - len(run)]
         return Draft(req.seq_id, req.committed_len, run)
 
+    def follow(self, req: DraftRequest) -> Continuation | None:
+        """Apply the request's committed tokens and return the best chain of at most `req.k` tokens that followed
+        the sequence's latest ones, with its path probabilities (EMPTY: none, or a format: this drafter's chains
+        then come from `propose`); None when the delta does not fit what is held. For a drafter that uses this one
+        beside its own (proposer_service/suffix_branches.py)."""
+        state = self._update(req)
+        if state is None:
+            return None
+        if req.k <= 0 or req.params.structured_output is not None:
+            return EMPTY
+        return self._best(state, req.k, 0)[1]
+
     # ---- following the committed tokens --------------------------------------------------------
 
     def _update(self, req: DraftRequest) -> _Request | None:

@@ -60,6 +60,16 @@ class ProposerTelemetry:
             ):
                 unit = "{round}" if name in ("hits", "misses") else "{token}"
                 observable_counter(meter, f"specdec_proposer_draft_ahead_{name}", description, _stat(cache, name), unit)
+        branches = getattr(servicer.drafter, "branches", None)
+        if branches is not None:  # --suffix-branches: the request's own text beside the model's drafts
+            for name, description, unit in (
+                ("tree_tokens", "nodes the request's own text added to the model's token trees", "{token}"),
+                ("trees", "token trees the request's own text added nodes to", "{draft}"),
+                ("chains", "greedy chains sent as the request's own text in place of the model's", "{draft}"),
+            ):
+                observable_counter(
+                    meter, f"specdec_proposer_suffix_branch_{name}", description, _stat(branches, name), unit
+                )
         self.proposed_tokens = meter.create_counter(
             "specdec_proposer_draft_tokens", unit="{token}", description="draft tokens proposed"
         )

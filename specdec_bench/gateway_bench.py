@@ -342,6 +342,8 @@ STACK_KINDS = {
     "eagle-adaptive-ahead": "eagle",
     "eagle-adaptive-tree": "eagle",
     "eagle-tree": "eagle",  # k = 4 and a tree every step: what the adaptive policy is measured against
+    # `make run`'s stack with the head's drafts alone (`--no-suffix-branches`): the A/B of the request's own text
+    "eagle-adaptive-tree-solo": "eagle",
     "ngram": "ngram",
     "suffix-adaptive": "suffix",  # suffix_bench's stack: adaptive k <= K_SUFFIX
     # A second target-only stack, started after the others: paired rounds' A/A control. Its ratio to target-only
@@ -387,6 +389,7 @@ def build_stacks(
     for name in names:
         base, dtype = _stack_dtype(name)
         kind = STACK_KINDS[base]
+        solo, base = base.endswith(SOLO), base.removesuffix(SOLO)
         stack = Stack(name, http_port=free_port())
         ports = {role: free_port() for role in ("proposer", "verifier", "gateway")}
         stack.metrics_ports["verifier"] = free_port()
@@ -406,6 +409,8 @@ def build_stacks(
                 proposer += ["--model", eagle_head, "--target-model", target, "--dtype", head_dtype]
             if compile and kind in MODEL_KINDS:
                 proposer += ["--compile"]
+            if solo:
+                proposer += ["--no-suffix-branches"]
             if base.endswith("-ahead"):
                 proposer += ["--draft-ahead", str(AHEAD)]
             if base.endswith("-tree"):
@@ -433,6 +438,7 @@ def build_stacks(
     return stacks
 
 
+SOLO = "-solo"  # a model proposer's drafts alone, without the request's own text (--no-suffix-branches)
 SMALL_PAGES = "-4k"  # a stack name's last suffix: its services with SPECDEC_HUGEPAGES=0 (an A/B of huge pages)
 
 

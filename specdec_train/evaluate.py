@@ -71,7 +71,9 @@ def held_out_prompt_ids(target: str, quick: bool = False) -> list[list[int]]:
     return [prompt_ids(tokenizer, c.turns[0], c.chat, c.system) for c in held_out_conversations()]
 
 
-def run_row(row: Row, head_dir: Path, target_model, embedding, lm_head, prompts, max_tokens: int) -> RowResult:
+def run_row(
+    row: Row, head_dir: Path, target_model, embedding, lm_head, prompts, max_tokens: int, suffix_branches: bool = False
+) -> RowResult:
     from proposer_service.eagle import make_eagle_drafter
     from shared.model.build import CacheConfig
     from specdec_local.builder import build_engine
@@ -84,6 +86,10 @@ def run_row(row: Row, head_dir: Path, target_model, embedding, lm_head, prompts,
         max_tree_nodes=row.tree_nodes,
     )  # fmt: skip
     drafter = make_eagle_drafter(str(head_dir), embedding, lm_head, num_blocks=batch * (max_len // 16 + 2))
+    if suffix_branches:
+        from proposer_service.suffix_branches import SuffixBranches
+
+        drafter.branches = SuffixBranches()
     engine = build_engine(target_model, drafter, config, CacheConfig())
     result = measure_acceptance(engine, prompts, max_tokens, row.temperature, row.seeded)
     return RowResult(row.name, result.rounds, result.mean_accepted_length, result.per_position)
@@ -96,12 +102,14 @@ def evaluate(
     max_tokens: int = 128,
     quick: bool = False,
     tree_nodes: int = DEFAULT_TREE_NODES,
+    suffix_branches: bool = False,
 ):
     target_model = target_model or load_model(target)
     embedding, lm_head, _ = load_embeddings(target)
     prompts = held_out_prompt_ids(target, quick)
     return [
-        run_row(row, head_dir, target_model, embedding, lm_head, prompts, max_tokens) for row in rows_for(tree_nodes)
+        run_row(row, head_dir, target_model, embedding, lm_head, prompts, max_tokens, suffix_branches)
+        for row in rows_for(tree_nodes)
     ]
 
 
@@ -125,6 +133,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--tree-nodes", type=int, default=DEFAULT_TREE_NODES, help="nodes of the tree row (0: chain rows only)"
     )
+    p.add_argument(
+        "--suffix-branches",
+        action="store_true",
+        help="the head's drafts joined by each request's own text, as the proposer's --suffix-branches does",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
@@ -132,7 +145,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     results = evaluate(
-        args.head, args.target or default_target_model(), max_tokens=args.max_tokens, tree_nodes=args.tree_nodes
+        args.head,
+        args.target or default_target_model(),
+        max_tokens=args.max_tokens,
+        tree_nodes=args.tree_nodes,
+        suffix_branches=args.suffix_branches,
     )
     print(format_results(results))
     if args.json:
