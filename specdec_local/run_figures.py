@@ -64,6 +64,7 @@ def figures(verifier: dict, proposer: dict) -> list[str]:
     )
     if asked:
         lines.append(f"drafts asked for early (as a step committed): {asked:.0f}, taken by the next step {used:.0f}")
+    lines.extend(_branches(proposer))
     hits, misses = (
         value(proposer, "specdec_proposer_draft_ahead_hits_total"),
         value(proposer, "specdec_proposer_draft_ahead_misses_total"),
@@ -80,6 +81,19 @@ def figures(verifier: dict, proposer: dict) -> list[str]:
     else:
         lines.append("drafting ahead: off (SPECDEC_DRAFT_AHEAD=N turns it on)")
     return lines
+
+
+def _branches(proposer: dict) -> list[str]:
+    """What the request's own text added to the model's drafts (the proposer's --suffix-branches)."""
+    names = ("tree_tokens", "trees", "chains")
+    counts = [value(proposer, f"specdec_proposer_suffix_branch_{name}_total") for name in names]
+    if not any(name.startswith("specdec_proposer_suffix_branch_") for name, _ in proposer):
+        return []
+    tokens, trees, chains = counts
+    return [
+        f"the request's own text: {tokens:.0f} nodes added to {trees:.0f} token trees, {chains:.0f} greedy chains "
+        "sent as the text's"
+    ]
 
 
 def _proposer_round(verifier: dict, proposer: dict) -> list[str]:
