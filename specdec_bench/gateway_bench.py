@@ -146,6 +146,12 @@ CONFIGS: tuple[GwConfig, ...] = (
         "eagle-adaptive-tree",
     ),
     GwConfig(
+        "gto",
+        f"EAGLE head alone (no request text), adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes",
+        "general",
+        "eagle-adaptive-tree-solo",
+    ),
+    GwConfig(
         "gts",
         f"EAGLE head, adaptive k<={K_ADAPTIVE}, trees<={TREE_NODES} nodes, T={SAMPLED_T:g}",
         "general",
