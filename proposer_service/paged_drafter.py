@@ -88,9 +88,16 @@ class PagedDrafter(Generic[State]):
         """One round: requests whose outcome was drafted ahead are answered from the speculation cache (their
         tokens applied later, off the critical path), the others drafted now; with `branches`, joined by the
         sequences' own text (suffix_branches.py)."""
-        if self.branches is not None:
-            return self.branches.propose(requests, self._round)
-        return self._round(requests)
+        if self.branches is None:
+            return self._round(requests)
+        drafts = self.branches.propose(requests, self._round)
+        if self.cache.ahead:  # drafting ahead guesses outcomes of the chain sent: the text's, where it was swapped in
+            for draft in drafts:
+                sent = draft.token_ids
+                if sent and draft.parents is None and sent != self.cache.last_chains.get(draft.seq_id):
+                    self.cache.last_chains[draft.seq_id] = sent
+                    self.candidates.pop(draft.seq_id, None)  # the model's guesses along its own chain
+        return drafts
 
     def _round(self, requests: list[DraftRequest]) -> list[Draft]:
         started = time.perf_counter()

@@ -88,7 +88,7 @@ class SuffixBranches:
         if not text or draft.needs_resync or draft.unreachable or draft.probs is not None:
             return draft
         if draft.parents is None:
-            if req.max_tree_nodes > 0:  # a format: the model's chain under it stays
+            if req.max_tree_nodes > 0:  # the model sent a chain for a tree (no cache room): it goes as sent
                 return draft
             self.stats.chains += 1
             return Draft(draft.seq_id, draft.committed_len, text)
