@@ -67,8 +67,8 @@ class SuffixBranches:
 
     def _follow(self, req: DraftRequest) -> list[int]:
         """The continuation worth sending for this request (empty: none), the suffix trees brought up to date."""
-        text = self.suffix.follow(replace(req, features=None, max_tree_nodes=0))
-        if text is None or not text.token_ids or req.k <= 0 or req.params.seed is not None:
+        text = self.suffix.follow(req)  # empty for k = 0 and formats
+        if text is None or not text.token_ids or req.params.seed is not None:
             return []
         if req.max_tree_nodes > 0:
             return _priced(text, req.min_node_prob)[: max(0, req.max_tree_nodes - req.k)]

@@ -85,11 +85,11 @@ def figures(verifier: dict, proposer: dict) -> list[str]:
 
 def _branches(proposer: dict) -> list[str]:
     """What the request's own text added to the model's drafts (the proposer's --suffix-branches)."""
-    names = ("tree_tokens", "trees", "chains")
-    counts = [value(proposer, f"specdec_proposer_suffix_branch_{name}_total") for name in names]
     if not any(name.startswith("specdec_proposer_suffix_branch_") for name, _ in proposer):
-        return []
-    tokens, trees, chains = counts
+        return []  # --no-suffix-branches, or another kind
+    tokens, trees, chains = (
+        value(proposer, f"specdec_proposer_suffix_branch_{name}_total") for name in ("tree_tokens", "trees", "chains")
+    )
     return [
         f"the request's own text: {tokens:.0f} nodes added to {trees:.0f} token trees, {chains:.0f} greedy chains "
         "sent as the text's"

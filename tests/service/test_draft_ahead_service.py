@@ -24,6 +24,7 @@ from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter
 from tests.service.test_verifier_service import (
     PROMPTS,
     collect,
+    greedy_equals_reference,
     kill_the_proposer_mid_generation,
     reference,
     request,
@@ -63,10 +64,7 @@ def test_greedy_over_grpc_with_drafting_ahead_is_exact_and_hits(monkeypatch, bat
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                prompts = MIXED[:batch]
-                results = await asyncio.gather(*(collect(stub, request(p, 40)) for p in prompts))
-                for prompt, (tokens, _) in zip(prompts, results, strict=True):
-                    assert tokens == reference(tuple(prompt), 40)
+                await greedy_equals_reference(stub, MIXED[:batch], 40)
                 assert (await stats(stub)).accepted_tokens > 0
                 early = verifier.loop.engine.early_stats
                 assert 0 < early.used <= early.asked  # the verifier asked for next steps' drafts early

@@ -20,7 +20,7 @@ from shared.telemetry import setup_telemetry
 from specdec_local.processes import free_port
 from specdec_local.run_figures import figures, scrape, value
 from tests.service.test_proposer_service import MAX_LEN, VOCAB, make_drafter
-from tests.service.test_verifier_service import collect, reference, request, start_verifier
+from tests.service.test_verifier_service import greedy_equals_reference, start_verifier
 
 # Prompts whose text repeats, so that it says what comes next, and the target's greedy output, which loops
 LOOPING = [[3, 17, 42, 8] * 3, [60, 2, 9, 33, 71] * 2 + [60, 2], [5, 6] * 5, [100, 50, 25, 12, 6, 3, 1, 0, 127] * 2]
@@ -43,10 +43,7 @@ def test_greedy_over_grpc_with_the_text_beside_the_model_is_exact_and_counted(mo
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                prompts = LOOPING[:batch]
-                results = await asyncio.gather(*(collect(stub, request(p, 32)) for p in prompts))
-                for prompt, (tokens, _) in zip(prompts, results, strict=True):
-                    assert tokens == reference(tuple(prompt), 32)
+                await greedy_equals_reference(stub, LOOPING[:batch], 32)
             with proposer.servicer._drafter_lock:
                 samples = scrape(f"127.0.0.1:{telemetry.metrics_port}")
                 counted = dataclasses.replace(drafter.branches.stats)

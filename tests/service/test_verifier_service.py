@@ -99,6 +99,13 @@ async def collect(stub, req) -> tuple[list[int], list[verifier_pb2.VerifierGener
     return tokens, messages
 
 
+async def greedy_equals_reference(stub, prompts, max_tokens: int) -> None:
+    """The prompts generated side by side, each equal to plain greedy decoding's (`reference`)."""
+    results = await asyncio.gather(*(collect(stub, request(p, max_tokens)) for p in prompts))
+    for prompt, (tokens, _) in zip(prompts, results, strict=True):
+        assert tokens == reference(tuple(prompt), max_tokens)
+
+
 async def rest(call) -> list[verifier_pb2.VerifierGenerateResponse]:
     """The remaining messages of a call already read with read() (grpc forbids mixing in async for)."""
     messages = []
@@ -343,9 +350,7 @@ def test_stale_garbage_and_late_drafts_never_change_the_output():
         try:
             async with grpc.aio.insecure_channel(f"127.0.0.1:{verifier.port}") as channel:
                 stub = verifier_pb2_grpc.VerifierStub(channel)
-                results = await asyncio.gather(*(collect(stub, request(p, 30)) for p in PROMPTS))
-                for prompt, (tokens, _) in zip(PROMPTS, results, strict=True):
-                    assert tokens == reference(tuple(prompt), 30)
+                await greedy_equals_reference(stub, PROMPTS, 30)
                 assert verifier.loop.engine.stats.stale_drafts > 0  # wrong committed_len: discarded
                 assert remote.invalid_drafts > 0  # ids outside the vocabulary: discarded
                 assert remote.timeouts > 0 and remote.fallback_steps > 0  # late: k = 0 for that step
