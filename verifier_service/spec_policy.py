@@ -45,7 +45,10 @@ the probes that keep both learning. A sequence's first tested positions move its
 (the prior counts as two), later ones as an average over about twenty. The prior is what recent sequences of the
 same kind (greedy or sampled) achieved, once they tested enough positions (`SpecPolicy.new_estimate`), else an
 agnostic 0.5: a request arriving where drafts are mostly rejected does not probe as if half were accepted. A
-tree's verdict counts for alpha as its best-guess path's (the chain the drafter would have sent) does.
+tree's verdict counts for alpha as its best-guess path's (the chain the drafter would have sent) does. The policy
+plans with each sequence's alpha drawn towards its kind's as far as the kind's verdicts show a sequence's recent
+acceptance to tell of its next (`AcceptanceEstimate.predicted`, `OwnWeight`): a run of accepted drafts raises alpha
+more than it raises the next drafts' chances.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field, replace
 
-from verifier_service.acceptance import AcceptanceEstimate, TreeMisses
+from verifier_service.acceptance import MIN_POPULATION_POSITIONS, AcceptanceEstimate, OwnWeight, TreeMisses
 from verifier_service.step_times import DRAFTING, FRESH_S, PLAIN, PROBE, DraftingRuns, Outcomes, StepCost, StepTimes
 
 ITERATIONS = 4  # Dinkelbach converges in a few rounds on this concave ratio
@@ -79,7 +82,6 @@ FAIR_SHARE = 0.97
 # were accepted until its own estimate came down: at 8 clients, 64-token requests and acceptance 0.1, the
 # policy's simulation (tests/unit/test_spec_policy.py) lost 2.1% to plain decoding, 1.1% from the population's.
 POPULATION_WEIGHT = 0.01
-MIN_POPULATION_POSITIONS = 20
 # While plain decoding is clearly best (the best drafting plan PLAIN_MARGIN slower or more) and no sequence's
 # estimate changed (none drafted), the plan is made again only every REPLAN_EVERY steps; between, each step counts
 # towards the next probe at the last plan's probe loss. At batch 8 a plan took 0.3-0.5 ms of Python against a 21 ms
@@ -178,6 +180,7 @@ class SpecPolicy:
     # The chain acceptance of all sequences' drafts, greedy (True) apart from sampled: a new sequence's prior
     population: dict[bool, AcceptanceEstimate] = field(default_factory=dict)
     tree_misses: dict[bool, TreeMisses] = field(default_factory=dict)  # likewise: what trees add to chains
+    own_weights: dict[bool, OwnWeight] = field(default_factory=dict)  # likewise: how far a sequence's own tells
     outcomes: Outcomes = field(default_factory=Outcomes)
     _plain_memo: PlainMemo | None = None  # the last plan, while plain decoding is clearly best
     _probe_every: float = 0.0  # the last plan's: plain steps between probes
@@ -193,17 +196,20 @@ class SpecPolicy:
         """A new sequence's estimate: the recent acceptance of its kind where known (greedy and sampled drafts
         differ most: a sampled token matches the target's less often), else the agnostic prior; its trees are
         judged with its kind's."""
-        seen = self.population.get(greedy)
+        seen = self._population(greedy)
         trees = self.tree_misses.setdefault(greedy, TreeMisses())
-        if seen is None or seen.tested < MIN_POPULATION_POSITIONS:
-            return AcceptanceEstimate(tree_misses=trees)
-        return AcceptanceEstimate(alpha=seen.alpha, prior_tested=seen.tested, tree_misses=trees)
+        own = self.own_weights.setdefault(greedy, OwnWeight(seen))
+        if seen.tested < MIN_POPULATION_POSITIONS:
+            return AcceptanceEstimate(tree_misses=trees, own_weight=own)
+        return AcceptanceEstimate(alpha=seen.alpha, prior_tested=seen.tested, tree_misses=trees, own_weight=own)
+
+    def _population(self, greedy: bool) -> AcceptanceEstimate:
+        return self.population.setdefault(greedy, AcceptanceEstimate(weight=POPULATION_WEIGHT))
 
     def record_acceptance(self, greedy: bool, num_drafted: int, num_accepted: int) -> None:
         """A chain's verdict (or a tree's best-guess path's), for the population's estimate (a sequence's own is
         updated by the engine)."""
-        estimate = self.population.setdefault(greedy, AcceptanceEstimate(weight=POPULATION_WEIGHT))
-        estimate.update(num_drafted, num_accepted)
+        self._population(greedy).update(num_drafted, num_accepted)
 
     def plan(
         self,
@@ -235,7 +241,7 @@ class SpecPolicy:
         self._lags = lags if lags and any(lags) else None
         run = self.runs.steps(len(seqs))
         self._spreads = [max(1.0, min(h, run)) for h in horizons or [CATCH_UP_HORIZON] * len(seqs)]
-        key = tuple((id(acc), acc.alpha, acc.tree_misses.share, k_max) for acc, k_max in seqs)
+        key = tuple((id(acc), acc.predicted, acc.tree_misses.share, k_max) for acc, k_max in seqs)
         memo, self._plain_memo = self._plain_memo, None
         due = memo is None or self._plain_steps + 1 >= memo.probe_every  # a probe
         if memo is not None and memo.key == key and memo.steps_left > 0 and not due:
@@ -443,12 +449,12 @@ class SpecPolicy:
         trees = [self._tree(acc, k_max) if k_max else Plan(0) for acc, k_max in seqs]
         parts = self._measured_parts(*_shape(trees))
         log.debug(
-            "plan batch=%d alpha=%s tree gain=%s (misses %s) chosen=%s node price=%.3f probe=%s "
+            "plan batch=%d alpha (own, planned)=%s tree gain=%s (misses %s) chosen=%s node price=%.3f probe=%s "
             "rate plain/drafting=%.1f/%.1f tok/s "
             "scoring(1 token)=%.1f ms +%.2f ms/token propose(k=%d)=%s ms rest(k=0/%d)=%s/%s ms "
             "slower than expected plain/drafting/probe=%.2fx/%.2fx/%.2fx step chosen/trees=%s/%s ms "
-            "(trees: scoring/propose/rest=%s) catch-ups spread over %.1f steps",
-            batch, [round(acc.alpha, 2) for acc, _ in seqs[:8]],
+            "(trees: scoring/propose/rest=%s) catch-ups spread over %.1f steps; scoring by draft tokens=%s ms",
+            batch, [(round(acc.alpha, 2), round(acc.predicted, 2)) for acc, _ in seqs[:8]],
             [round(acc.expected_tree_gain(k_max), 2) for acc, k_max in seqs[:8]] if self.max_tree_nodes else "-",
             [(round(a.tree_misses.share, 2), a.tree_misses.trees, round(a.tree_misses.nodes, 1)) for a, _ in seqs[:8]],
             [(p.k, p.tree_nodes) for p in chosen[:8]], max((p.min_node_prob for p in chosen), default=0.0),
@@ -459,7 +465,12 @@ class SpecPolicy:
             _ms(self._time(chosen)), _ms(self._time(trees)) if self.max_tree_nodes else "-",
             "/".join(_ms(t) for t in (parts.scoring, parts.propose, parts.rest)) if self.max_tree_nodes else "-",
             self.runs.steps(batch),
+            "/".join(_ms(self.scoring.estimate(batch, batch + n)) for n in range(self._most_drafted(batch, depth) + 1)),
         )  # fmt: skip
+
+    def _most_drafted(self, batch: int, depth: int) -> int:
+        """The most draft tokens a plan `depth` deep could score: the DEBUG line's scoring curve goes that far."""
+        return batch * (depth + self.max_tree_nodes)
 
     def _vary(self, plans: list[Plan], seqs: list[tuple[AcceptanceEstimate, int]]) -> list[Plan]:
         self._probes += 1
@@ -578,7 +589,7 @@ class SpecPolicy:
             self._positions_of = seqs
         if depth not in self._positions_at:
             above, total = self._positions(depth - 1, seqs)
-            new = [(acc.alpha**depth, i) for i, (acc, k_max) in enumerate(seqs) if k_max >= depth]
+            new = [(acc.predicted**depth, i) for i, (acc, k_max) in enumerate(seqs) if k_max >= depth]
             self._positions_at[depth] = (sorted(above + new, reverse=True), total + sum(v for v, _ in new))
         return self._positions_at[depth]
 
@@ -597,7 +608,7 @@ class SpecPolicy:
     def _best_for(self, acc: AcceptanceEstimate, depth: int, k_max: int, token_price: float) -> Plan:
         """The sequence's plan at a price (in emitted tokens) per scored draft token, at most `depth` deep. A tree
         is drafted at the sequence's full depth only."""
-        k, alpha = 0, acc.alpha
+        k, alpha = 0, acc.predicted
         while k < depth and alpha ** (k + 1) >= token_price:
             k += 1
         if self._tree_fits(k_max, depth):  # `depth` is at most k_max here: the sequence's full depth

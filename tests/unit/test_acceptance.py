@@ -1,13 +1,16 @@
 """What a sequence's drafts are expected to accept (verifier_service/acceptance.py): its chain acceptance from
-tested positions only, and its kind's trees judged against their own best-guess paths."""
+tested positions only, drawn towards its kind's as far as the kind's verdicts show it tells, and its kind's trees
+judged against their own best-guess paths."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 
 from shared.drafting import Draft, best_guess_path
 from verifier_service import acceptance
-from verifier_service.acceptance import AcceptanceEstimate, TreeMisses
+from verifier_service.acceptance import MIN_POPULATION_POSITIONS, AcceptanceEstimate, OwnWeight, TreeMisses
 
 
 def test_acceptance_estimate_uses_only_tested_positions():
@@ -80,3 +83,50 @@ def test_the_best_guess_path_follows_first_children():
     assert draft.best_guess_verdict([12]) == (3, 0)
     assert draft.best_guess_verdict([]) == (3, 0)
     assert Draft("s", 10, [7, 8, 9]).best_guess_verdict([7, 8]) == (3, 2)  # a chain is its own best guess
+
+
+def _kind_serves(truths: list[float], steps: int, seed: int = 0) -> tuple[OwnWeight, list[AcceptanceEstimate]]:
+    """Sequences of one kind, each with its own true per-position acceptance, drafting chains of 4 in turn for
+    `steps` steps each, as the engine updates them (the sequence's, then the kind's)."""
+    rng = random.Random(seed)
+    population = AcceptanceEstimate(weight=0.01)
+    weight = OwnWeight(population)
+    estimates = []
+    for truth in truths:
+        est = AcceptanceEstimate(alpha=population.alpha, own_weight=weight)
+        for _ in range(steps):
+            accepted = 0
+            while accepted < 4 and rng.random() < truth:
+                accepted += 1
+            est.update(4, accepted)
+            population.update(4, accepted)
+        estimates.append(est)
+    return weight, estimates
+
+
+def test_where_sequences_differ_for_good_their_own_acceptance_is_planned_with():
+    weight, estimates = _kind_serves([0.2, 0.85] * 40, steps=30)
+    assert weight.slope > 0.8, weight.slope
+    low, high = estimates[-2], estimates[-1]
+    assert low.predicted < 0.35 and high.predicted > 0.75, (low.predicted, high.predicted)
+
+
+def test_where_a_run_of_accepted_drafts_tells_nothing_the_kind_s_acceptance_is_planned_with():
+    """Every sequence accepts each position with probability 0.5: alpha, an average over ~20 positions, wanders
+    0.3-0.7 all the same, and a plan that believed it chose long chains after lucky runs (through the gateway, chains
+    of 4 chosen at alpha 0.64 accepted 0.98 drafts a step where 1.48 were expected)."""
+    weight, estimates = _kind_serves([0.5] * 80, steps=30)
+    assert weight.slope < 0.2, weight.slope
+    wandered = max(estimates, key=lambda est: abs(est.alpha - 0.5))
+    assert abs(wandered.alpha - 0.5) > 0.12  # alpha did wander ...
+    assert abs(wandered.predicted - 0.5) < 0.05, (wandered.alpha, wandered.predicted)  # ... the plan did not follow
+    assert wandered.chain_gain(4) == pytest.approx(acceptance._geometric(wandered.predicted, 4))
+
+
+def test_own_acceptance_is_planned_with_as_it_is_until_the_kind_s_is_known():
+    population = AcceptanceEstimate(weight=0.01)
+    est = AcceptanceEstimate(alpha=0.9, own_weight=OwnWeight(population))
+    assert est.predicted == 0.9  # nothing behind the kind's estimate yet
+    population.tested = MIN_POPULATION_POSITIONS
+    assert est.predicted == pytest.approx(0.5 + 0.5 * 0.4)  # the prior slope: halfway
+    assert AcceptanceEstimate(alpha=0.9).predicted == 0.9  # no kind: alpha as it is

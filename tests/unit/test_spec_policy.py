@@ -962,6 +962,17 @@ def test_a_new_sequence_starts_from_what_recent_sequences_of_its_kind_achieved()
     assert policy.new_estimate(greedy=True).alpha > 0.95
 
 
+def test_a_kind_s_sequences_are_drawn_towards_its_acceptance_by_one_weight_learned_from_them_all():
+    policy = SpecPolicy()
+    one, other, sampled = (policy.new_estimate(greedy) for greedy in (True, True, False))
+    assert one.own_weight is other.own_weight is not sampled.own_weight
+    assert one.own_weight.population is policy.population[True]  # the kind's own estimate, updated with it
+    for _ in range(200):  # the kind's drafts are accepted whole; one sequence's were not lately
+        policy.record_acceptance(True, 4, 4)
+    one.alpha = 0.3
+    assert one.predicted == pytest.approx(policy.population[True].alpha + 0.5 * (0.3 - policy.population[True].alpha))
+
+
 def turnover_loss(alpha: float, costs: Costs, population: bool, batch: int = 8, length: int = 64) -> float:
     """Requests of `length` tokens at acceptance `alpha` through a batch that stays full (each finished one replaced
     by a new one): the share of the time lost against plain decoding. Each new sequence's prior is the population's

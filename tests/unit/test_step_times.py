@@ -1,11 +1,12 @@
 """The policy's measured costs (verifier_service/step_times.py): lines through medians, warm-up times scaled to
-the live ones, sizes not timed lately, estimates that never fall with the size, and how much slower than their
-parts each kind of step ran."""
+the live ones, sizes not timed lately or never timed live, estimates that never fall with the size, and how much
+slower than their parts each kind of step ran."""
 
 from __future__ import annotations
 
 import itertools
 import random
+import statistics
 
 import pytest
 
@@ -137,3 +138,23 @@ def test_step_times_estimate_never_falls_as_the_size_grows():
                 continue
             # up to rounding: the prune keeps a margin of 1e-9
             assert all(b >= a * (1 - 1e-12) for a, b in itertools.pairwise(estimates)), (trial, batch, estimates)
+
+
+def test_a_size_never_timed_live_is_at_most_the_live_line_extended_to_it():
+    """The warm-up put 9 rows at 1.65 times one row; serving timed 1 to 5 rows at about 1.3 times' slope. Scaled to
+    the live level, 9 rows would look dearer than anything serving measured suggests, and no tree would ever be
+    drafted whole to correct it: the live line, extended, caps it until 9 rows are timed themselves."""
+    times = StepTimes(stepwise=True)
+    for q in (1, 3, 5, 9):
+        times.calibrate(1, q, 0.019 * (1 + 0.081 * (q - 1)))  # 9 rows: 1.65x one row
+    for _ in range(3):
+        times.add(1, 1, 0.025)
+        times.add(1, 3, 0.026)
+        times.add(1, 5, 0.029)
+    line_at_9 = (0.025 + 0.026 + 0.029) / 3 + 0.001 * (9 - 3)  # least squares: through the mean, 1 ms a row
+    assert times.estimate(1, 9) == pytest.approx(line_at_9)
+    scaled_warm_up = 0.019 * 1.648 * statistics.median([0.025 / 0.019, 0.026 / 0.019 / 1.162, 0.029 / 0.019 / 1.324])
+    assert times.estimate(1, 9) < 0.9 * scaled_warm_up
+    for _ in range(3):
+        times.add(1, 9, 0.036)  # 9 rows were dearer after all: their own time counts once timed
+    assert times.estimate(1, 9) == pytest.approx(0.036)
