@@ -42,6 +42,7 @@ from specdec_bench.step_phases import cpu_seconds
 # The median ratio's interval (`median_interval`): a ratio whose interval holds 1.0 shows no measured difference.
 # At 8 clients, T = 0.8, the A/A twin's per-round ratios spread 0.78-1.17 in 12 rounds (2 cores, 2026-12-07).
 INTERVAL_LEVEL = 0.9
+BASE_NAME = "base"  # `--base-code`'s stack
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -59,6 +60,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--twin", action="store_true", help="add a second target-only stack: the A/A control")
+    parser.add_argument(
+        "--base-code",
+        default="",
+        help="also run the first stack from another checkout (a worktree at an older commit; its services import "
+        "from there): old code against new, paired, as the stack BASE_NAME",
+    )
     parser.add_argument("--json", default="", help="write the samples here")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     names = ["target", *spec, *([gb.TWIN] if args.twin else [])]
     logs = Path(tempfile.mkdtemp(prefix="specdec-paired-"))
     stacks = gb.build_stacks(logs, target, default_draft_model(), str(default_eagle_head()), names)
+    if args.base_code:
+        stacks[BASE_NAME] = base_stack(args.base_code, logs, target, spec[0])
+        names.append(BASE_NAME)
+        spec.append(BASE_NAME)
     procs = [p for s in stacks.values() for p in s.procs]
     try:
         deadline = time.monotonic() + gb.STARTUP_TIMEOUT_S * len(stacks)
@@ -102,6 +113,23 @@ def main(argv: list[str] | None = None) -> int:
             p.stop()
     report(args, spec, samples, cpu, wall)
     return 0
+
+
+def base_stack(code: str, logs: Path, target: str, name: str):
+    """The stack `name` with its services importing from the checkout at `code` (PYTHONPATH: it comes before the
+    editable install's finder), logs under logs/base."""
+    from shared.settings import default_draft_model, default_eagle_head
+
+    root = Path(code).resolve()
+    if not (root / "verifier_service").is_dir():
+        raise SystemExit(f"--base-code {code}: no verifier_service/ there (a checkout of this repository?)")
+    (logs / "base").mkdir()
+    stack = gb.build_stacks(logs / "base", target, default_draft_model(), str(default_eagle_head()), [name])[name]
+    stack.name = BASE_NAME
+    for proc in stack.procs:
+        proc.name = proc.name.replace(name, BASE_NAME, 1)
+        proc.env["PYTHONPATH"] = str(root)
+    return stack
 
 
 def per_round(samples: dict[str, list[dict[str, Any]]], name: str, base: str) -> list[float]:

@@ -10,8 +10,10 @@ import random
 import statistics
 from types import SimpleNamespace
 
+import pytest
+
 from specdec_bench import gateway_bench as gb
-from specdec_bench.paired_rounds import against_the_best, median_interval, per_round, report
+from specdec_bench.paired_rounds import BASE_NAME, against_the_best, base_stack, median_interval, per_round, report
 
 
 def rounds(*tokens_per_s: float) -> list[dict[str, float]]:
@@ -84,3 +86,22 @@ def test_the_median_interval_covers_the_median_as_often_as_it_says():
         narrower += ordered[3] <= median <= ordered[n - 4]
     assert abs(held / trials - coverage) < 0.015
     assert narrower / trials < 0.9
+
+
+def test_the_base_stack_runs_the_first_stack_s_services_from_another_checkout(tmp_path):
+    """`--base-code`: old code against new in the same rounds. Each of its services imports from the other
+    checkout (PYTHONPATH), under its own name and logs, so neither stack's processes or logs are mistaken for
+    the other's."""
+    checkout = tmp_path / "old"
+    (checkout / "verifier_service").mkdir(parents=True)
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    stack = base_stack(str(checkout), logs, "target-model", "eagle-adaptive-tree")
+    assert stack.name == BASE_NAME
+    assert {p.name for p in stack.procs} == {f"{BASE_NAME}-{role}" for role in ("proposer", "verifier", "gateway")}
+    assert all(p.env["PYTHONPATH"] == str(checkout.resolve()) for p in stack.procs)
+    assert all(p.log_path.parent == logs / "base" for p in stack.procs)
+    new = gb.build_stacks(logs, "target-model", "draft", "head", ["eagle-adaptive-tree"])["eagle-adaptive-tree"]
+    assert all("PYTHONPATH" not in p.env for p in new.procs)  # the stack it is set against: this checkout's
+    with pytest.raises(SystemExit, match="no verifier_service"):
+        base_stack(str(tmp_path / "nothing"), logs, "target-model", "eagle-adaptive-tree")
