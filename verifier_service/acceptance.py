@@ -36,7 +36,7 @@ MIN_POPULATION_POSITIONS = 20
 # was highest accepted 0.27 drafts a step fewer than it predicted greedy, 0.48 at T = 0.8, and the lowest fifth 0.35
 # and 0.28 more; through the gateway at one client (the bench's prompts) chains of 4 were chosen at alpha 0.64 and
 # accepted 0.98 drafts a step against 1.48 expected, while chains of 2 chosen at 0.49 accepted 0.93 against 0.73.
-# So the policy plans with its kind's acceptance plus OWN_SLOPE times the sequence's difference from it, the slope
+# So the policy plans with its kind's acceptance plus a slope times the sequence's difference from it, the slope
 # of a regression of each tested position's verdict on that difference, over about the last 1 / OWN_DECAY tested
 # positions of the kind, starting from OWN_PRIOR_SLOPE worth OWN_PRIOR_POSITIONS positions that differ by
 # OWN_PRIOR_SPREAD. In the replay the learned slope came to 0.40-0.47 greedy and 0.2-0.4 at T = 0.8, and its
