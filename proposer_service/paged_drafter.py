@@ -40,8 +40,9 @@ AHEAD_WIDTH = 3  # guesses kept per draft position for drafting ahead
 # rounds answered from the speculation cache that drafting ahead had not applied yet; `catch_up`, the drafter's
 # state brought up to the committed tokens (an EAGLE head: one forward over the new positions' target features,
 # the first of the round, reading weights the verifier's step pushed out of the cache); `draft`, the chains and
-# trees themselves.
-PHASES = ("ingest", "catch_up", "draft")
+# trees themselves; `text`, the sequences' own text beside them (`branches`: their suffix trees brought up to date,
+# the continuations found and joined; 0 without).
+PHASES = ("ingest", "catch_up", "draft", "text")
 # Offsets the drafter's stream from the verifier's, which is seeded from the same request seed.
 DRAFT_SEED_OFFSET = 0x9E3779B97F4A7C15
 
@@ -90,7 +91,17 @@ class PagedDrafter(Generic[State]):
         sequences' own text (suffix_branches.py)."""
         if self.branches is None:
             return self._round(requests)
-        drafts = self.branches.propose(requests, self._round)
+        started, in_round = time.perf_counter(), [0.0]
+
+        def timed_round(asked: list[DraftRequest]) -> list[Draft]:
+            round_started = time.perf_counter()
+            try:
+                return self._round(asked)
+            finally:
+                in_round[0] += time.perf_counter() - round_started
+
+        drafts = self.branches.propose(requests, timed_round)
+        self.phase_seconds["text"] = time.perf_counter() - started - in_round[0]
         if self.cache.ahead:  # drafting ahead guesses outcomes of the chain sent: the text's, where it was swapped in
             for draft in drafts:
                 sent = draft.token_ids

@@ -12,7 +12,12 @@ import urllib.request
 from prometheus_client.parser import text_string_to_metric_families
 
 # The proposer's phases (proposer_service.paged_drafter.PHASES) as the line names them, in a round's order.
-PHASE_NAMES = (("ingest", "ingest"), ("catch-up", "catch_up"), ("drafting", "draft"))
+PHASE_NAMES = (
+    ("ingest", "ingest"),
+    ("catch-up", "catch_up"),
+    ("drafting", "draft"),
+    ("the request's own text", "text"),
+)
 
 
 def scrape(address: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

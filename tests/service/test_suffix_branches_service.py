@@ -56,5 +56,13 @@ def test_greedy_over_grpc_with_the_text_beside_the_model_is_exact_and_counted(mo
             assert value(samples, f"specdec_proposer_suffix_branch_{name}_total") == getattr(counted, name)
         line = f"{counted.tree_tokens} nodes added to {counted.trees} token trees, {counted.chains} greedy chains"
         assert any(line in printed for printed in figures({}, samples)), figures({}, samples)
+        # the text's own time, a phase of every drafter round beside the model's (0 would be a round without it)
+        phase = "specdec_proposer_phase_duration_seconds"
+        rounds = value(samples, f"{phase}_count", phase="draft")
+        assert value(samples, f"{phase}_count", phase="text") == rounds > 0
+        assert value(samples, f"{phase}_sum", phase="text") > 0
+        assert any(
+            "the request's own text " in printed and "a drafter round" in printed for printed in figures({}, samples)
+        )
 
     asyncio.run(asyncio.wait_for(body(), 120))

@@ -8,10 +8,12 @@ failing negative control of the tree tests."""
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
 
+from proposer_service.paged_drafter import PHASES
 from proposer_service.suffix_branches import CHAIN_SHARE, SuffixBranches, join
 from shared.drafting import Draft, DraftRequest, SparseProbs, best_guess_path, tree_depths
 from shared.sampling import SamplingParams
@@ -133,6 +135,24 @@ def test_drafts_the_text_may_not_join_are_left_as_the_model_sent_them(req, answe
     model = Model(answer)
     (draft,) = SuffixBranches().propose([req], model)
     assert model.asked == [req] and draft is model.sent[0]
+
+
+def test_the_text_s_time_is_its_own_phase(target, weak_draft, monkeypatch):
+    """The proposer's phase metric (`phase_seconds`): the text's work, slowed by a sleep, shows as `text` and in
+    no other phase; without the branches, `text` is 0."""
+    slow = 0.2
+    drafter = engine_with(target, weak_draft, k=4, nodes=8, max_num_seqs=1).drafter
+    req = DraftRequest("s", len(LOOPED), LOOPED, 4, max_tree_nodes=8)
+    drafter.propose([req])
+    assert drafter.phase_seconds["text"] == 0.0
+    drafter.branches = branches = SuffixBranches()
+    original = branches._follow
+    monkeypatch.setattr(branches, "_follow", lambda r: (time.sleep(slow), original(r))[1])
+    drafter.propose([DraftRequest("s", len(LOOPED) + 1, [LOOPED[0]], 4, max_tree_nodes=8)])
+    phases = drafter.phase_seconds
+    assert set(phases) == set(PHASES)
+    assert phases["text"] >= slow, phases
+    assert all(seconds < slow for phase, seconds in phases.items() if phase != "text"), phases
 
 
 def test_the_text_follows_every_request_and_forgets_released_sequences():
