@@ -80,9 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     spec = list(dict.fromkeys(args.stack or ["eagle-adaptive-tree"]))
     names = ["target", *spec, *([gb.TWIN] if args.twin else [])]
     logs = Path(tempfile.mkdtemp(prefix="specdec-paired-"))
-    stacks = gb.build_stacks(logs, target, default_draft_model(), str(default_eagle_head()), names)
+    draft, head = default_draft_model(), str(default_eagle_head())
+    stacks = gb.build_stacks(logs, target, draft, head, names)
     if args.base_code:
-        stacks[BASE_NAME] = base_stack(args.base_code, logs, target, spec[0])
+        stacks[BASE_NAME] = base_stack(args.base_code, logs, (target, draft, head), spec[0])
         names.append(BASE_NAME)
         spec.append(BASE_NAME)
     procs = [p for s in stacks.values() for p in s.procs]
@@ -115,16 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def base_stack(code: str, logs: Path, target: str, name: str):
+def base_stack(code: str, logs: Path, models: tuple[str, str, str], name: str):
     """The stack `name` with its services importing from the checkout at `code` (PYTHONPATH: it comes before the
-    editable install's finder), logs under logs/base."""
-    from shared.settings import default_draft_model, default_eagle_head
-
+    editable install's finder), logs under logs/BASE_NAME; `models`: (target, draft, EAGLE head), as the others'."""
     root = Path(code).resolve()
     if not (root / "verifier_service").is_dir():
         raise SystemExit(f"--base-code {code}: no verifier_service/ there (a checkout of this repository?)")
-    (logs / "base").mkdir()
-    stack = gb.build_stacks(logs / "base", target, default_draft_model(), str(default_eagle_head()), [name])[name]
+    (logs / BASE_NAME).mkdir()
+    stack = gb.build_stacks(logs / BASE_NAME, *models, [name])[name]
     stack.name = BASE_NAME
     for proc in stack.procs:
         proc.name = proc.name.replace(name, BASE_NAME, 1)

@@ -107,6 +107,11 @@ class OwnWeight:
     variance: float = OWN_PRIOR_POSITIONS * OWN_PRIOR_SPREAD**2
 
     @property
+    def known(self) -> bool:
+        """Whether the kind's acceptance rests on enough tested positions to draw towards (and to learn from)."""
+        return self.population.tested >= MIN_POPULATION_POSITIONS
+
+    @property
     def slope(self) -> float:
         return min(1.0, max(0.0, self.covariance / self.variance))
 
@@ -120,7 +125,7 @@ class OwnWeight:
         spread = alpha - base
         keep = (1.0 - OWN_DECAY) ** num_tested
         self.variance = keep * self.variance + num_tested * spread * spread
-        hits = sum((1.0 if position < num_accepted else 0.0) - base for position in range(num_tested))
+        hits = min(num_accepted, num_tested) - num_tested * base  # the tested positions' verdicts less the kind's
         self.covariance = keep * self.covariance + spread * hits
 
 
@@ -142,14 +147,12 @@ class AcceptanceEstimate:
         """The acceptance per position the policy plans with: alpha, drawn towards its kind's (`OwnWeight`) once
         the kind's rests on MIN_POPULATION_POSITIONS tested positions."""
         weight = self.own_weight
-        if weight is None or weight.population.tested < MIN_POPULATION_POSITIONS:
-            return self.alpha
-        return weight.predicted(self.alpha)
+        return weight.predicted(self.alpha) if weight is not None and weight.known else self.alpha
 
     def update(self, num_drafted: int, num_accepted: int) -> None:
         # Positions past the first rejection were never tested: they carry no evidence.
         tested = min(num_drafted, num_accepted + 1)
-        if self.own_weight is not None and self.own_weight.population.tested >= MIN_POPULATION_POSITIONS:
+        if self.own_weight is not None and self.own_weight.known:
             self.own_weight.observe(self.alpha, tested, num_accepted)
         for position in range(tested):
             accepted = 1.0 if position < num_accepted else 0.0

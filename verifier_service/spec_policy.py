@@ -199,7 +199,7 @@ class SpecPolicy:
         seen = self._population(greedy)
         trees = self.tree_misses.setdefault(greedy, TreeMisses())
         own = self.own_weights.setdefault(greedy, OwnWeight(seen))
-        if seen.tested < MIN_POPULATION_POSITIONS:
+        if not own.known:
             return AcceptanceEstimate(tree_misses=trees, own_weight=own)
         return AcceptanceEstimate(alpha=seen.alpha, prior_tested=seen.tested, tree_misses=trees, own_weight=own)
 

@@ -96,12 +96,12 @@ def test_the_base_stack_runs_the_first_stack_s_services_from_another_checkout(tm
     (checkout / "verifier_service").mkdir(parents=True)
     logs = tmp_path / "logs"
     logs.mkdir()
-    stack = base_stack(str(checkout), logs, "target-model", "eagle-adaptive-tree")
+    stack = base_stack(str(checkout), logs, ("target-model", "draft", "head"), "eagle-adaptive-tree")
     assert stack.name == BASE_NAME
     assert {p.name for p in stack.procs} == {f"{BASE_NAME}-{role}" for role in ("proposer", "verifier", "gateway")}
     assert all(p.env["PYTHONPATH"] == str(checkout.resolve()) for p in stack.procs)
-    assert all(p.log_path.parent == logs / "base" for p in stack.procs)
+    assert all(p.log_path.parent == logs / BASE_NAME for p in stack.procs)
     new = gb.build_stacks(logs, "target-model", "draft", "head", ["eagle-adaptive-tree"])["eagle-adaptive-tree"]
     assert all("PYTHONPATH" not in p.env for p in new.procs)  # the stack it is set against: this checkout's
     with pytest.raises(SystemExit, match="no verifier_service"):
-        base_stack(str(tmp_path / "nothing"), logs, "target-model", "eagle-adaptive-tree")
+        base_stack(str(tmp_path / "nothing"), logs, ("target-model", "draft", "head"), "eagle-adaptive-tree")
