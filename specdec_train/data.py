@@ -158,7 +158,7 @@ def generate(
     gen = _Generator(config, engine, tokenizer, convs)
     remaining = {i: set(range(i * size, min((i + 1) * size, len(convs)))) for i in todo}
     done: dict[int, list[_Dialog]] = {i: [] for i in todo}
-    pending = _pending(todo, size, len(convs))
+    pending = _pending([(i, shards[i]) for i in todo], size, len(convs))
     bar = tqdm(total=sum(len(r) for r in remaining.values()), desc="conversations", unit="conv", disable=not progress)
     started = time.monotonic()
     _feed(gen, pending, config.batch + 8)
@@ -187,8 +187,14 @@ def generate(
     return shards
 
 
-def _pending(todo: list[int], size: int, total: int) -> Iterator[int]:
-    for shard in todo:
+def _pending(todo: list[tuple[int, Path]], size: int, total: int) -> Iterator[int]:
+    """The conversations of the shards still to write, a shard at a time; a shard whose file appeared since (a
+    second process, `--reverse`, got there first) is skipped when its turn comes. Without that check each of the
+    two processes generated all 64 shards, the second half of each run over the other's (2026-12-08: both were
+    still running, at 57% of their own plans, after every shard was on disk)."""
+    for shard, path in todo:
+        if path.is_file():
+            continue
         yield from range(shard * size, min((shard + 1) * size, total))
 
 

@@ -640,3 +640,16 @@ def test_a_last_step_that_learns_nothing_still_gets_its_heldout_check_and_checkp
     trainer.fit(samples, features, path, measured)
     assert trainer.step == 3 and rated_at == [3]
     assert torch.load(path, weights_only=False)["step"] == 3
+
+
+def test_a_shard_another_process_wrote_meanwhile_is_not_generated_again(tmp_path):
+    """`--reverse` runs a second generator from the last shard: each must skip, when it gets there, a shard the other
+    has written since it started, or both generate the whole set (the second half of each over the other's)."""
+    from specdec_train.data import _pending
+
+    shards = [(i, tmp_path / f"shard-{i:05d}.pt") for i in range(3)]
+    pending = _pending(shards, size=4, total=10)
+    assert [next(pending) for _ in range(4)] == [0, 1, 2, 3]  # shard 0: this process's own
+    shards[1][1].write_bytes(b"written by the other process")  # while shard 0 was generated
+    assert list(pending) == [8, 9]  # shard 1 skipped; shard 2, the last, holds 2 conversations
+    assert list(_pending(shards, size=4, total=10)) == [0, 1, 2, 3, 8, 9]  # a fresh plan: whatever is not on disk
