@@ -179,7 +179,7 @@ def generate(
             remaining[shard].discard(dialog.index)
             if not remaining[shard]:
                 _write_shard(shards[shard], done.pop(shard), config)
-                _report(config.out_dir, len(shards) - len(done), len(shards), decoded, started)
+                _report(config.out_dir, sum(path.is_file() for path in shards), len(shards), decoded, started)
         _feed(gen, pending, config.batch + 8)
         rate = decoded / max(1e-9, time.monotonic() - started)
         bar.set_postfix(tok_s=f"{rate:.0f}", tokens=decoded, refresh=False)

@@ -571,6 +571,7 @@ def test_data_generated_in_bf16_records_its_dtype_in_each_shard(tmp_path, monkey
     paths = data.generate(config, progress=False)
     assert loaded == [torch.bfloat16] and len(paths) == 2
     assert {torch.load(p)["dtype"] for p in paths} == {"bfloat16"}
+    assert json.loads((tmp_path / "data" / "progress.json").read_text())["shards_done"] == 2  # the files on disk
     samples = data.load_samples(paths)
     assert len(samples) == 8 and all(s["generated"].any() for s in samples)
 
